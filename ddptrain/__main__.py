@@ -1,0 +1,88 @@
+"""``python -m ddptrain [overrides]`` and ``torchrun ... -m ddptrain [overrides]``.
+
+Compose the Hydra config -> validate (before any worker starts) -> run in this process
+(torchrun, or one process) or self-launch the workers -> train.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from ddptrain.config import ConfigError, register_configs, to_run_config
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+log = logging.getLogger("ddptrain")
+
+
+def _under_torchrun() -> bool:
+    return all(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
+
+
+def _quiet_hydra_on_other_ranks() -> None:
+    """Under torchrun, only rank 0 may create Hydra's run folder; the others write nothing."""
+    if _under_torchrun() and os.environ["RANK"] != "0":
+        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=."]
+
+
+def _reject_multirun_under_torchrun() -> None:
+    if _under_torchrun() and any(a in ("-m", "--multirun") for a in sys.argv[1:]):
+        sys.exit(
+            "ddptrain: sweeps (-m) start a fresh process group per job, which torchrun cannot do: "
+            "run `python -m ddptrain -m ...` (it launches each job's workers itself)."
+        )
+
+
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
+def hydra_main(dict_cfg: DictConfig) -> float | None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = to_run_config(dict_cfg)
+    except ConfigError as err:
+        sys.exit(f"ddptrain: invalid configuration:\n{err}")
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if _under_torchrun():
+        _check_torchrun_size(cfg.parallel.nproc_per_node)
+        from ddptrain.launch import worker
+
+        result = worker(cfg, str(run_dir), None)
+    elif (cfg.parallel.nproc_per_node or 1) == 1:
+        from ddptrain.launch import worker
+
+        result = worker(cfg, str(run_dir), None)
+    else:
+        from ddptrain.launch import launch
+
+        try:
+            result = launch(cfg, run_dir)
+        except RuntimeError as err:
+            sys.exit(f"ddptrain: {err}")
+    print(f"ddptrain: done. Results in {run_dir}", file=sys.stderr)
+    return result.get("loss") if result else None
+
+
+def _check_torchrun_size(nproc_per_node: int | None) -> None:
+    started = int(os.environ["LOCAL_WORLD_SIZE"])
+    if nproc_per_node is not None and nproc_per_node != started:
+        sys.exit(
+            f"ddptrain: parallel.nproc_per_node={nproc_per_node} but torchrun started {started} processes per node: "
+            f"launch with --nproc_per_node {nproc_per_node}, or pick the matching parallel= option "
+            "(parallel=auto adopts torchrun's count)."
+        )
+
+
+def main() -> None:
+    register_configs()
+    _reject_multirun_under_torchrun()
+    _quiet_hydra_on_other_ranks()
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Tokenizer, base model, LoRA and the loss module that DDP wraps.
+
+``build_model`` returns a ``CausalLMLoss``: the (peft) model plus the loss, in one
+``nn.Module``. DDP wraps that module, so the loss is always computed inside DDP's
+forward (a loss computed outside the wrapper silently skips gradient sync).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from ddptrain.config import DType, ModelConfig, ModelInit
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+TORCH_DTYPES = {DType.fp32: torch.float32, DType.bf16: torch.bfloat16, DType.fp16: torch.float16}
+
+
+def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer named by model.tokenizer (or model.name_or_path), with a pad token.
+
+    Raises:
+        ValueError: the tokenizer has no EOS token (training appends one to every row).
+    """
+    source = cfg.tokenizer or cfg.name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"model.tokenizer={source} has no EOS token: pick a tokenizer with an eos_token.")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_base_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The transformers causal LM: pretrained weights, or random weights from an architecture config.
+
+    Random weights depend only on ``seed`` (and the transformers version), so every rank
+    builds the same model, and a test can build it again.
+    """
+    dtype = TORCH_DTYPES[cfg.dtype]
+    if cfg.init == ModelInit.random:
+        config = AutoConfig.from_pretrained(cfg.config_path or cfg.name_or_path)
+        config.use_cache = False
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.name_or_path, dtype=dtype, attn_implementation=cfg.attn_implementation
+        )
+        model.config.use_cache = False
+    return model
+
+
+def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """Freeze the base model and add LoRA adapters (trainable, kept in fp32)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets: str | list[str] = cfg.lora_target_modules
+    if targets != "all-linear":
+        targets = [name.strip() for name in targets.split(",") if name.strip()]
+    lora = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    # autocast_adapter_dtype keeps LoRA weights in fp32 over a bf16/fp16 base: the GradScaler
+    # cannot unscale fp16 gradients ("Attempting to unscale FP16 gradients").
+    return get_peft_model(model, lora, autocast_adapter_dtype=True)
+
+
+def apply_gradient_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant checkpointing: safe under DDP (no "marked ready twice") and with frozen inputs."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # With a frozen embedding nothing upstream of the first checkpointed block needs grad;
+    # make its output require grad so that LoRA weights inside checkpointed blocks train.
+    model.enable_input_require_grads()
+
+
+class CausalLMLoss(nn.Module):
+    """Model + next-token loss; forward returns the *sum* of token losses and the token count.
+
+    The LM head runs only on positions whose label is a target (prompt and padding
+    positions are skipped): with a 150k vocabulary the head is most of a small model's
+    arithmetic and, at long lengths, the largest activation. The loss is a sum, so the
+    trainer can normalise once by the global token count of the optimizer step.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model  # the peft model (or the plain model for a full fine-tune)
+        causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.decoder = causal_lm.get_decoder()
+        self.lm_head = causal_lm.get_output_embeddings()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        targets = labels[:, 1:]
+        is_target = targets != IGNORE_INDEX
+        logits = self.lm_head(hidden[:, :-1][is_target]).float()
+        loss_sum = F.cross_entropy(logits, targets[is_target], reduction="sum")
+        return loss_sum, is_target.sum()
+
+    def full_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits at every position (evaluation, tests, export checks)."""
+        hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return self.lm_head(hidden).float()
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device) -> CausalLMLoss:
+    """Base model -> LoRA (or full fine-tune) -> gradient checkpointing -> loss module, on ``device``."""
+    model = build_base_model(cfg, seed)
+    if cfg.lora:
+        model = apply_lora(model, cfg)
+    if cfg.gradient_checkpointing:
+        apply_gradient_checkpointing(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    log.info("model: %s trainable of %s parameters (%.3f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+    return CausalLMLoss(model).to(device)
+
+
+def save_random_base(cfg: ModelConfig, seed: int, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
+    """Save a randomly initialised base model so that a saved adapter has something to load onto."""
+    base = build_base_model(cfg, seed)
+    base.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def point_adapter_at_base(adapter_dir: Path, base_dir: str) -> None:
+    """Record where the adapter's base model lives (peft reads base_model_name_or_path)."""
+    config_file = adapter_dir / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = base_dir
+    config_file.write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,315 @@
+"""The training loop: ``fit`` owns epochs, steps, evaluation and saving.
+
+No ``torch.distributed`` here: collectives come from ``ddptrain.parallel``, and the
+rank-0-only work (files, progress bar) hides behind null objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddptrain import checkpoint, parallel
+from ddptrain.config import Batching, DType, RunConfig
+from ddptrain.data import Collator, RowsDataset, TokenizedData, build_datasets
+from ddptrain.metrics import Stopwatch, build_metrics_logger, build_progress_bar
+from ddptrain.model import TORCH_DTYPES, CausalLMLoss, build_model, build_tokenizer
+from ddptrain.optim import build_optimizer, build_scheduler
+from ddptrain.parallel import DistEnv
+from ddptrain.sampler import BatchingSpec, DistributedBatchSampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step leaves behind (local to this rank until reduced)."""
+
+    loss_sum: torch.Tensor
+    target_tokens: torch.Tensor
+    grad_norm: float
+    skipped: bool
+    micro_steps: int
+
+
+@dataclass
+class Window:
+    """Accumulates steps between two log lines."""
+
+    loss_sum: float = 0.0
+    target_tokens: float = 0.0
+    micro_steps: list[int] = field(default_factory=list)
+    skipped: int = 0
+
+    def add(self, result: StepResult, first_micro_step: int) -> None:
+        self.loss_sum += float(result.loss_sum)
+        self.target_tokens += float(result.target_tokens)
+        self.micro_steps += range(first_micro_step, first_micro_step + result.micro_steps)
+        self.skipped += int(result.skipped)
+
+
+class Trainer:
+    """Builds everything from a RunConfig on one rank and trains it.
+
+    Args:
+        cfg: the validated run config.
+        env: this rank's place in the process group.
+        run_dir: the run directory every rank agreed on.
+    """
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path):
+        self.cfg, self.env, self.run_dir = cfg, env, run_dir
+        self.tokenizer = build_tokenizer(cfg.model)
+        with parallel.local_rank_zero_first(env, cfg.data.prepare_timeout_s, "tokenizing the dataset"):
+            self.data: TokenizedData = build_datasets(cfg.data, self.tokenizer, cfg.trainer.seed)
+        self.sampler = DistributedBatchSampler(self.data.train["length"], self._batching_spec(), env.rank)
+        self.loader = self._build_loader()
+        self.loss_module: CausalLMLoss = build_model(cfg.model, cfg.trainer.seed, env.device)
+        self.model: nn.Module = parallel.wrap_model(self.loss_module, cfg.parallel, env)
+        if cfg.trainer.compile:
+            self.model = torch.compile(self.model)
+        self.optimizer = build_optimizer(cfg.optim, self.loss_module)
+        self.total_steps = self._total_steps()
+        self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
+        self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.trainer.precision == DType.fp16)
+        self.step = 0
+        self.metrics = build_metrics_logger(env.is_rank_zero, run_dir)
+        self.writer = checkpoint.build_writer(env.is_rank_zero, run_dir)
+
+    # ------------------------------------------------------------------ setup
+
+    def _batching_spec(self) -> BatchingSpec:
+        d = self.cfg.data
+        return BatchingSpec(
+            mode=d.batching,
+            world_size=self.env.world_size,
+            micro_batch_size=d.micro_batch_size,
+            max_tokens_per_batch=d.max_tokens_per_batch,
+            grad_accum_steps=self.cfg.optim.grad_accum_steps,
+            pad_to_multiple_of=d.pad_to_multiple_of,
+            seed=self.cfg.trainer.seed,
+            costliest_first=d.costliest_first,
+        )
+
+    def _build_loader(self) -> torch.utils.data.DataLoader:
+        collator = Collator(
+            pad_id=self.tokenizer.pad_token_id,
+            pad_to_multiple_of=self.cfg.data.pad_to_multiple_of,
+            packed=self.cfg.data.batching == Batching.packed,
+        )
+        return torch.utils.data.DataLoader(
+            RowsDataset(self.data.train),
+            batch_sampler=self.sampler,
+            collate_fn=collator,
+            num_workers=self.cfg.data.num_workers,
+            pin_memory=self.env.device.type == "cuda",
+            persistent_workers=False,
+        )
+
+    def _total_steps(self) -> int:
+        steps_per_epoch = math.ceil(len(self.sampler) / self.cfg.optim.grad_accum_steps)
+        if self.cfg.trainer.max_steps is not None:
+            return self.cfg.trainer.max_steps
+        return steps_per_epoch * self.cfg.trainer.epochs
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self) -> dict[str, Any]:
+        """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way.
+
+        Returns:
+            The last logged metrics record (identical on every rank).
+        """
+        parallel.check_same_on_all_ranks(
+            len(self.sampler), "micro-batches per epoch", "Every rank must build the same batch plan; this is a bug."
+        )
+        log.info(
+            "training %d steps: %d ranks x %d micro-steps per step, %d micro-batches per rank per epoch",
+            self.total_steps,
+            self.env.world_size,
+            self.cfg.optim.grad_accum_steps,
+            len(self.sampler),
+        )
+        bar = build_progress_bar(self.cfg.trainer.progress_bar, self.env.is_rank_zero, self.total_steps, self.step)
+        watch, window, last = Stopwatch(), Window(), {}
+        epoch = self.sampler.epoch
+        while self.step < self.total_steps:
+            self.sampler.set_epoch(epoch)
+            micro_step = 0
+            for micro_batches in chunked(self.loader, self.cfg.optim.grad_accum_steps):
+                result = self.train_step(micro_batches)
+                window.add(result, micro_step)
+                micro_step += result.micro_steps
+                self.step += 1
+                bar.advance()
+                if self.step == 1:
+                    self.preflight()
+                if self.step % self.cfg.trainer.log_every_n_steps == 0 or self.step == self.total_steps:
+                    last = self.log_window(window, watch, epoch, result.grad_norm)
+                    bar.update(last)
+                    window = Window()
+                self.maybe_evaluate()
+                self.maybe_save()
+                if self.step >= self.total_steps:
+                    break
+            epoch += 1
+        bar.close()
+        self.finish()
+        return last
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+        """One optimizer step over this rank's micro-batches.
+
+        The step's gradient is d/dθ [Σ token losses over the global batch] / N, where N is
+        the number of target tokens in the global batch (all ranks, all micro-steps). Each
+        rank back-propagates its loss sum × world_size / N; DDP then averages over ranks
+        (÷ world_size), which leaves exactly Σ/N whatever the split into ranks and micro-steps.
+        """
+        batches = [self._to_device(b) for b in micro_batches]
+        local_tokens = sum((b["labels"][:, 1:] != -100).sum() for b in batches)
+        n_tokens = parallel.all_reduce_sum(local_tokens.to(self.env.device)).clamp(min=1)
+        scale = self.env.world_size / n_tokens.float()
+        loss_sum = torch.zeros((), device=self.env.device)
+        for i, batch in enumerate(batches):
+            with parallel.grad_sync(self.model, enabled=i == len(batches) - 1), self._autocast():
+                micro_loss, _ = self.model(**batch)
+            self.scaler.scale(micro_loss * scale).backward()
+            loss_sum += micro_loss.detach().float()
+        grad_norm = self._clip_gradients()
+        scale_before = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale_before
+        return StepResult(loss_sum, local_tokens, grad_norm, skipped, len(batches))
+
+    def _clip_gradients(self) -> float:
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.optim.max_grad_norm or math.inf
+        params = [p for p in self.loss_module.parameters() if p.requires_grad]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        precision = self.cfg.trainer.precision
+        if precision == DType.fp32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.env.device.type, dtype=TORCH_DTYPES[precision])
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
+
+    # ------------------------------------------------------------------ checks
+
+    def preflight(self) -> None:
+        """After step 1: replicas identical on every rank (catches a loss computed outside DDP)."""
+        checksums = parallel.all_gather_object(parallel.trainable_checksum(self.loss_module))
+        if any(c != checksums[0] for c in checksums):
+            raise RuntimeError(
+                f"trainable parameters differ between ranks after step 1 (checksums {checksums}): gradients "
+                "were not synchronised. The loss must be computed inside the DDP-wrapped module."
+            )
+
+    # ------------------------------------------------------------------ logging, eval, save
+
+    def log_window(self, window: Window, watch: Stopwatch, epoch: int, grad_norm: float) -> dict[str, Any]:
+        """Reduce the window's loss over ranks and write one metrics record (all ranks return it)."""
+        totals = parallel.all_reduce_sum(torch.tensor([window.loss_sum, window.target_tokens], dtype=torch.float64))
+        seconds = watch.lap()
+        real, padded, imbalance, peak = self._batch_stats(window.micro_steps)
+        record = {
+            "step": self.step,
+            "epoch": epoch,
+            "loss": float(totals[0] / max(totals[1], 1.0)),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens": real,
+            "target_tokens": int(totals[1]),
+            "tokens_per_s": real / max(seconds, 1e-9),
+            "padding_fraction": 1.0 - real / max(padded, 1),
+            "rank_imbalance": imbalance,
+            "peak_rank_tokens": peak,
+            "skipped_steps": window.skipped,
+            "elapsed_s": watch.elapsed(),
+        }
+        self.metrics.log(record)
+        return record
+
+    def _batch_stats(self, micro_steps: Iterable[int]) -> tuple[int, int, float, int]:
+        """Real and padded tokens over all ranks, worst rank imbalance and peak rank tokens (from the plan)."""
+        real = padded = peak = 0
+        imbalance = 1.0
+        for i in micro_steps:
+            real_per_rank, padded_per_rank = self.sampler.micro_step_costs(i)
+            real += sum(real_per_rank)
+            padded += sum(padded_per_rank)
+            peak = max(peak, *padded_per_rank)
+            mean = sum(padded_per_rank) / len(padded_per_rank)
+            imbalance = max(imbalance, max(padded_per_rank) / max(mean, 1e-9))
+        return real, padded, imbalance, peak
+
+    def maybe_evaluate(self) -> None:
+        every = self.cfg.trainer.eval_every_n_steps
+        if self.data.eval is not None and every and self.step % every == 0 and self.step < self.total_steps:
+            self.evaluate()
+
+    def evaluate(self) -> float:
+        """Mean target-token loss over the whole eval split (every rank a disjoint shard, none dropped)."""
+        self.loss_module.eval()
+        totals = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad(), self._autocast():
+            for batch in self._eval_batches():
+                loss_sum, n = self.loss_module(**self._to_device(batch))
+                totals += torch.tensor([float(loss_sum), float(n)], dtype=torch.float64)
+        self.loss_module.train()
+        totals = parallel.all_reduce_sum(totals)
+        eval_loss = float(totals[0] / max(totals[1], 1.0))
+        self.metrics.log({"step": self.step, "eval_loss": eval_loss, "eval_tokens": int(totals[1])})
+        log.info("step %d: eval_loss %.4f", self.step, eval_loss)
+        return eval_loss
+
+    def _eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        assert self.data.eval is not None
+        lengths = self.data.eval["length"]
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        shard = order[self.env.rank :: self.env.world_size]
+        size = self.cfg.data.micro_batch_size
+        collator = Collator(self.tokenizer.pad_token_id, self.cfg.data.pad_to_multiple_of)
+        rows = RowsDataset(self.data.eval)
+        for start in range(0, len(shard), size):
+            yield collator([rows[(i,)] for i in shard[start : start + size]])
+
+    def maybe_save(self) -> None:
+        every = self.cfg.trainer.save_every_n_steps
+        if every and self.step % every == 0 and self.step < self.total_steps:
+            self.writer.save_adapter(self.loss_module.model, self.run_dir / "checkpoints" / f"step-{self.step:06d}")
+            parallel.barrier()
+
+    def finish(self) -> None:
+        """Final evaluation, then rank 0 saves the adapter (and a random base) while the others wait."""
+        if self.data.eval is not None:
+            self.evaluate()
+        if self.cfg.trainer.save_final:
+            self.writer.save_final(self.loss_module.model, self.tokenizer, self.cfg.model, self.cfg.trainer.seed)
+        parallel.barrier()
+        self.metrics.close()
+
+
+def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Consecutive lists of ``size`` items (the last may be shorter): micro-batches of one optimizer step."""
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
