@@ -63,7 +63,6 @@ def hydra_main(dict_cfg: DictConfig) -> float | None:
             result = launch(cfg, run_dir)
         except RuntimeError as err:
             sys.exit(f"ddptrain: {err}")
-    print(f"ddptrain: done. Results in {run_dir}", file=sys.stderr)
     return result.get("loss") if result else None
 
 

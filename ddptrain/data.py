@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ddptrain.config import DataConfig, Template
+from ddptrain.metrics import RANK_ZERO_ONLY
 from ddptrain.model import IGNORE_INDEX
 from ddptrain.templates import RowError, format_alpaca, format_chat
 
@@ -217,14 +218,18 @@ def _report(cfg: DataConfig, stats: dict[str, int], n_train: int, eval_set: data
             stats["truncated"],
             stats["rows"],
             cfg.max_length,
+            extra=RANK_ZERO_ONLY,
         )
     if stats["skipped_bad"]:
-        log.warning("data: skipped %d malformed rows (data.skip_bad_rows=true)", stats["skipped_bad"])
+        log.warning(
+            "data: skipped %d malformed rows (data.skip_bad_rows=true)", stats["skipped_bad"], extra=RANK_ZERO_ONLY
+        )
     if stats["no_target"]:
         log.warning(
             "data: dropped %d rows whose prompt fills data.max_length=%d (nothing left to train on)",
             stats["no_target"],
             cfg.max_length,
+            extra=RANK_ZERO_ONLY,
         )
 
 

@@ -19,6 +19,7 @@ import tempfile
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -64,13 +65,22 @@ def _worker_environment(nproc: int) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
-def launch(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
-    """Run ``worker`` on ``parallel.nproc_per_node`` local processes; return rank 0's result.
+def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None = None) -> Any:
+    """Run ``entrypoint(cfg, run_dir, store_port)`` on parallel.nproc_per_node local processes.
+
+    Args:
+        cfg: validated run config.
+        run_dir: the run directory all ranks share.
+        entrypoint: a module-level function (spawned processes import it); default ``worker``.
+
+    Returns:
+        Rank 0's return value.
 
     Raises:
         RuntimeError: MASTER_PORT busy, or a worker failed (after parallel.max_restarts restarts).
     """
     import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -98,10 +108,11 @@ def launch(cfg: RunConfig, run_dir: Path) -> dict[str, Any]:
         max_restarts=cfg.parallel.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(rdzv_dir / "logs")),  # removed with rdzv_dir
     )
     log.info("starting %d workers (store on 127.0.0.1:%d), run directory %s", nproc, port, run_dir)
     try:
-        results = elastic_launch(config, worker)(cfg, str(run_dir), port)
+        results = elastic_launch(config, entrypoint or worker)(cfg, str(run_dir), port)
     except ChildFailedError as exc:
         raise RuntimeError(_failure_summary(exc)) from None
     finally:
@@ -140,7 +151,10 @@ def worker(cfg: RunConfig, run_dir: str | None, store_port: int | None) -> dict[
         if env.is_rank_zero:
             (agreed / "config.yaml").write_text(to_yaml(cfg))
         log.info("rank %d of %d on %s (%s)", env.rank, env.world_size, env.device, env.backend)
-        return Trainer(cfg, env, agreed).fit()
+        result = Trainer(cfg, env, agreed).fit()
+        if env.is_rank_zero:
+            print(f"ddptrain: done. Results in {agreed}", file=sys.stderr)
+        return result
     except BaseException:
         sys.stderr.flush()
         raise

@@ -12,12 +12,17 @@ import logging
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Pass ``extra=RANK_ZERO_ONLY`` to a warning that every rank would emit identically (data
+# statistics, say): rank 0 prints it once instead of once per rank.
+SAME_ON_ALL_RANKS = "same_on_all_ranks"
+RANK_ZERO_ONLY = {SAME_ON_ALL_RANKS: True}
 
 
 def setup_logging(rank: int, run_dir: Path | None) -> None:
@@ -35,9 +40,18 @@ def setup_logging(rank: int, run_dir: Path | None) -> None:
             root.addHandler(file_handler)
     else:
         console.setFormatter(logging.Formatter(f"[rank{rank}] {FORMAT}", datefmt="%H:%M:%S"))
+        console.addFilter(lambda record: not getattr(record, SAME_ON_ALL_RANKS, False))
         root.setLevel(logging.WARNING)
     root.addHandler(console)
+    _quiet_libraries()
+
+
+def _quiet_libraries() -> None:
     # Libraries chatter at INFO (datasets, httpx); keep the run's own log readable.
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
     for noisy in ("datasets", "httpx", "urllib3", "filelock", "torch.distributed.elastic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -95,7 +109,9 @@ class NullProgressBar:
         pass
 
 
-def build_progress_bar(enabled: bool, is_rank_zero: bool, total: int, initial: int = 0) -> ProgressBar | NullProgressBar:
+def build_progress_bar(
+    enabled: bool, is_rank_zero: bool, total: int, initial: int = 0
+) -> ProgressBar | NullProgressBar:
     return ProgressBar(total, initial) if enabled and is_rank_zero else NullProgressBar()
 
 

@@ -37,10 +37,7 @@ def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
     if cfg.scheduler == Scheduler.constant:
         return 1.0
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    if cfg.scheduler == Scheduler.cosine:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:
-        shape = 1.0 - progress
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if cfg.scheduler == Scheduler.cosine else 1.0 - progress
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 

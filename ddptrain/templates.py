@@ -7,7 +7,8 @@ on their own.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "

@@ -143,11 +143,10 @@ class Trainer:
         epoch = self.sampler.epoch
         while self.step < self.total_steps:
             self.sampler.set_epoch(epoch)
-            micro_step = 0
             for micro_batches in chunked(self.loader, self.cfg.optim.grad_accum_steps):
                 result = self.train_step(micro_batches)
-                window.add(result, micro_step)
-                micro_step += result.micro_steps
+                window.add(result, self.sampler.position)
+                self.sampler.skip(result.micro_steps)
                 self.step += 1
                 bar.advance()
                 if self.step == 1:

@@ -1,0 +1,501 @@
+"""Distributed batching: which samples each rank trains on, micro-step by micro-step.
+
+The plan of a whole epoch is a pure function of ``(lengths, spec, epoch)``: every rank computes the
+same plan on its own, with no communication, and reads its own column. ``plan[i][r]`` is rank
+``r``'s micro-batch at micro-step ``i``; every micro-step holds exactly ``world_size`` non-empty
+micro-batches, so every rank runs the same number of forward/backward passes and no all-reduce can
+hang on a rank that ran out of data.
+
+Modes (``data.batching``):
+
+- ``random``: shuffle, cut into micro-steps of ``world_size * micro_batch_size`` samples, each rank
+  takes ``micro_batch_size`` consecutive ones. The baseline.
+- ``length_grouped``: shuffle, cut into mega-batches of up to 50 micro-steps, sort each mega-batch by
+  length and cut it into micro-batches of ``micro_batch_size`` neighbours (little padding); then sort
+  all micro-batches of the epoch by padded cost and put ``world_size`` neighbours in one micro-step
+  (ranks cost about the same); then shuffle the micro-steps. Unlike transformers'
+  ``LengthGroupedSampler`` dealt round-robin to ranks, no micro-step mixes a mega-batch's longest and
+  shortest rows.
+- ``token_budget``: sort mega-batches by length and fill each micro-batch with as many rows as fit in
+  ``rows * padded_len <= max_tokens_per_batch``; micro-batches that still have room go back into the
+  next mega-batch. Micro-steps are formed from cost neighbours as in ``length_grouped``.
+- ``packed``: best-fit-decreasing packing of mega-batches into rows of at most
+  ``max_tokens_per_batch`` tokens (one row per micro-batch, no padding), otherwise like
+  ``token_budget``.
+
+With ``costliest_first`` the micro-step with the largest per-rank padded cost is swapped to the front,
+so an out-of-memory error shows in the first step rather than hours in.
+
+Tail rule (what ``dropped`` counts):
+
+- ``random`` and ``length_grouped`` keep micro-batches at exactly ``micro_batch_size`` rows, so the
+  last ``len(lengths) % (world_size * micro_batch_size)`` samples of the epoch's shuffled order are
+  left out: fewer than ``world_size * micro_batch_size``, and a different set every epoch.
+- ``token_budget`` and ``packed`` drop nothing in practice. The micro-batch count must be a
+  multiple of ``world_size``: after filling, the leftover units plus the ``world_size`` to
+  ``2 * world_size - 1`` units with the most (hence shortest) samples are pooled and re-divided
+  into a multiple of ``world_size`` balanced micro-batches, preferring a count that makes the epoch a
+  whole number of optimizer steps (``grad_accum_steps``). Only when the pool cannot be divided
+  without a unit over budget (every unit holds a single sample) are samples left out: fewer than
+  ``world_size``.
+
+Pure Python and numpy: no torch, no communication.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, insort
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddptrain.config import Batching
+
+Row = tuple[int, ...]
+"""Dataset indices in one row: one index, or several when packed."""
+MicroBatch = list[Row]
+
+# Micro-steps per mega-batch. Larger sorts more samples together (less padding) but mixes less.
+MEGA_BATCH_STEPS = 50
+# At least this many mega-batches when the dataset allows, so small datasets still get shuffled.
+MIN_MEGA_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class BatchingSpec:
+    """How one epoch is cut into micro-batches; every rank must hold an equal spec."""
+
+    mode: Batching
+    """random, length_grouped, token_budget or packed (see the module docstring)."""
+    world_size: int
+    """Number of ranks sharing each micro-step."""
+    micro_batch_size: int
+    """Rows per rank per micro-step (random, length_grouped)."""
+    max_tokens_per_batch: int
+    """token_budget: rows * padded length <= this; packed: tokens of the one packed row <= this."""
+    grad_accum_steps: int = 1
+    """Micro-steps per optimizer step; token_budget and packed try to end the epoch on a full step."""
+    pad_to_multiple_of: int = 8
+    """Padded length = max length in the micro-batch rounded up to this (not used when packed)."""
+    seed: int = 0
+    """Shuffling seed, combined with the epoch."""
+    costliest_first: bool = True
+    """Put the micro-step with the largest per-rank padded cost first, so an OOM shows at once."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", Batching(self.mode))
+        problems = [f"{name} must be >= {low}, got {value}" for name, value, low in self._bounds() if value < low]
+        if problems:
+            raise ValueError("invalid BatchingSpec: " + "; ".join(problems))
+
+    def _bounds(self) -> list[tuple[str, int, int]]:
+        bounds = [
+            ("world_size", self.world_size, 1),
+            ("grad_accum_steps", self.grad_accum_steps, 1),
+            ("pad_to_multiple_of", self.pad_to_multiple_of, 1),
+            ("seed", self.seed, 0),
+        ]
+        if self.mode in (Batching.random, Batching.length_grouped):
+            return [*bounds, ("data.micro_batch_size", self.micro_batch_size, 1)]
+        return [*bounds, ("data.max_tokens_per_batch", self.max_tokens_per_batch, 1)]
+
+
+# ----------------------------------------------------------------------------- costs
+
+
+def round_up(value: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``value``."""
+    return -(-value // multiple) * multiple
+
+
+def micro_batch_cost(batch: MicroBatch, lengths, spec: BatchingSpec) -> tuple[int, int]:
+    """Tokens of one micro-batch as the collator builds it.
+
+    Non-packed rows are padded to the longest row rounded up to ``spec.pad_to_multiple_of``. A packed
+    micro-batch is one row whose samples are concatenated (position ids restart per sample), so it
+    has no padding and no rounding.
+
+    Args:
+        batch: rows of dataset indices.
+        lengths: token length of every sample in the dataset.
+        spec: the batching spec (mode and padding multiple).
+
+    Returns:
+        ``(real, padded)`` token counts.
+    """
+    row_lengths = [sum(int(lengths[i]) for i in row) for row in batch]
+    real = sum(row_lengths)
+    longest = max(row_lengths, default=0)
+    if spec.mode is not Batching.packed:
+        longest = round_up(longest, spec.pad_to_multiple_of)
+    return real, len(batch) * longest
+
+
+def _to_micro_batch(unit: Sequence[int], mode: Batching) -> MicroBatch:
+    """Turn a planning unit (a list of sample indices) into the rows the collator receives."""
+    if mode is Batching.packed:
+        return [tuple(int(i) for i in unit)]
+    return [(int(i),) for i in unit]
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def plan_epoch(lengths, spec: BatchingSpec, epoch: int) -> list[list[MicroBatch]]:
+    """The whole epoch's micro-batches for every rank.
+
+    Args:
+        lengths: 1-D integer token length of every sample (already truncated to ``data.max_length``).
+        spec: how to batch.
+        epoch: epoch number; with ``spec.seed`` it seeds the shuffle.
+
+    Returns:
+        ``micro_steps`` with ``micro_steps[i][r]`` rank ``r``'s micro-batch at micro-step ``i``. Every
+        micro-step has exactly ``spec.world_size`` non-empty micro-batches.
+
+    Raises:
+        ValueError: lengths are not positive integers, there are too few samples for one micro-step,
+            or a sample does not fit in ``data.max_tokens_per_batch``.
+    """
+    lengths = _check_lengths(lengths, spec)
+    # SeedSequence mixes (seed, epoch) into independent streams, the same on every rank and platform.
+    rng = np.random.default_rng([spec.seed, epoch])
+    if spec.mode is Batching.random:
+        steps = _plan_random(lengths, spec, rng)
+    elif spec.mode is Batching.length_grouped:
+        steps = _plan_length_grouped(lengths, spec, rng)
+    else:
+        steps = _plan_variable(lengths, spec, rng)
+    plan = [[_to_micro_batch(unit, spec.mode) for unit in step] for step in steps]
+    plan = [plan[i] for i in rng.permutation(len(plan))]
+    if spec.costliest_first:
+        plan = _costliest_first(plan, lengths, spec)
+    return plan
+
+
+def _check_lengths(lengths, spec: BatchingSpec) -> np.ndarray:
+    """Validate ``lengths`` against the spec and return them as an int64 array."""
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
+        raise ValueError(f"lengths must be a 1-D integer array, got shape {lengths.shape} dtype {lengths.dtype}")
+    lengths = lengths.astype(np.int64)
+    if lengths.size and lengths.min() < 1:
+        raise ValueError(f"every sample needs at least one token; sample {int(lengths.argmin())} has 0")
+    n, world = len(lengths), spec.world_size
+    if spec.mode in (Batching.random, Batching.length_grouped):
+        need = world * spec.micro_batch_size
+        if n < need:
+            raise ValueError(
+                f"dataset has {n} samples, fewer than one micro-step needs (world_size {world} x "
+                f"data.micro_batch_size {spec.micro_batch_size} = {need}): lower data.micro_batch_size or add data."
+            )
+        return lengths
+    if n < world:
+        raise ValueError(
+            f"dataset has {n} samples but each of the {world} ranks needs at least one per micro-step: "
+            "add data or run fewer processes."
+        )
+    _check_fits(lengths, spec)
+    return lengths
+
+
+def _check_fits(lengths: np.ndarray, spec: BatchingSpec) -> None:
+    """Raise when the longest sample alone exceeds the token budget (the config should prevent it)."""
+    longest = int(lengths.max())
+    cost = longest if spec.mode is Batching.packed else round_up(longest, spec.pad_to_multiple_of)
+    if cost > spec.max_tokens_per_batch:
+        raise ValueError(
+            f"data.max_tokens_per_batch={spec.max_tokens_per_batch} cannot hold the longest sample "
+            f"({longest} tokens, {cost} once padded to a multiple of {spec.pad_to_multiple_of}): "
+            f"set data.max_tokens_per_batch >= {cost} or lower data.max_length."
+        )
+
+
+def _plan_random(lengths: np.ndarray, spec: BatchingSpec, rng: np.random.Generator) -> np.ndarray:
+    """Shuffled micro-steps; the tail that does not fill a micro-step is dropped."""
+    world, rows = spec.world_size, spec.micro_batch_size
+    n_steps = len(lengths) // (world * rows)
+    order = rng.permutation(len(lengths))[: n_steps * world * rows]
+    return order.reshape(n_steps, world, rows)
+
+
+def _plan_length_grouped(lengths: np.ndarray, spec: BatchingSpec, rng: np.random.Generator) -> list[list[list[int]]]:
+    """Micro-batches of neighbours in length, then micro-steps of micro-batches of similar padded cost."""
+    world, rows = spec.world_size, spec.micro_batch_size
+    steps = _plan_random(lengths, spec, rng).reshape(-1, world * rows)
+    n_megas = -(-len(steps) // _mega_steps(len(steps)))
+    units: list[list[int]] = []
+    for mega in np.array_split(steps, n_megas):
+        flat = mega.reshape(-1)
+        units += flat[np.argsort(-lengths[flat], kind="stable")].reshape(-1, rows).tolist()
+    return _group_by_cost(units, lengths, spec)
+
+
+def _mega_steps(n_steps: int) -> int:
+    """Micro-steps per mega-batch: MEGA_BATCH_STEPS, fewer on small datasets so order still varies."""
+    return max(1, min(MEGA_BATCH_STEPS, n_steps // MIN_MEGA_BATCHES))
+
+
+def _plan_variable(lengths: np.ndarray, spec: BatchingSpec, rng: np.random.Generator) -> list[list[list[int]]]:
+    """token_budget and packed: budget-sized units per mega-batch, grouped by cost; leftovers make the tail."""
+    units, pool = _fill_mega_batches(lengths, spec, rng)
+    units, pool = _take_tail(units, pool, spec.world_size)
+    tail = _tail_units(pool, len(units) // spec.world_size, lengths, spec)
+    return _group_by_cost(units, lengths, spec) + _group_by_cost(tail, lengths, spec)
+
+
+def _take_tail(units: list[list[int]], pool: list[int], world: int) -> tuple[list[list[int]], list[int]]:
+    """Move units into the tail pool so that a multiple of ``world`` units is left.
+
+    The moved units are those with the most samples (the shortest ones): fine-grained material lets the
+    tail be cut into equal parts, which long samples that fill a unit alone would not allow.
+    """
+    n_take = min(len(units), len(units) % world + world)
+    by_size = np.argsort([-len(unit) for unit in units], kind="stable")
+    taken = set(by_size[:n_take].tolist())
+    pool = pool + [i for u in sorted(taken) for i in units[u]]
+    return [unit for u, unit in enumerate(units) if u not in taken], pool
+
+
+def _fill_mega_batches(lengths: np.ndarray, spec: BatchingSpec, rng: np.random.Generator):
+    """Fill units within each shuffled mega-batch; return (full units, samples of units that still have room)."""
+    rows_per_unit = max(1, spec.max_tokens_per_batch // max(1, int(lengths.mean())))
+    n_steps_estimate = len(lengths) // (spec.world_size * rows_per_unit)
+    n_megas = max(1, -(-n_steps_estimate // _mega_steps(n_steps_estimate)))
+    shortest = int(lengths.min())
+    units: list[list[int]] = []
+    carry: list[int] = []
+    for mega in np.array_split(rng.permutation(len(lengths)), n_megas):
+        # Units that could still take a sample go back into the next mega-batch's pool: otherwise every
+        # mega-batch ends in a half-empty unit, and those cheap units would share micro-steps unevenly.
+        filled = _fill(np.concatenate([mega, carry]).astype(np.int64), lengths, spec)
+        carry = [i for unit in filled if _has_room(unit, lengths, spec, shortest) for i in unit]
+        units += [unit for unit in filled if not _has_room(unit, lengths, spec, shortest)]
+    return units, carry
+
+
+def _fill(pool: np.ndarray, lengths: np.ndarray, spec: BatchingSpec) -> list[list[int]]:
+    """Sort ``pool`` by decreasing length and cut it into units that respect the budget."""
+    order = pool[np.argsort(-lengths[pool], kind="stable")]
+    if spec.mode is Batching.packed:
+        return _pack_best_fit(order, lengths, spec)
+    return _fill_budget(order, lengths, spec)
+
+
+def _has_room(unit: list[int], lengths: np.ndarray, spec: BatchingSpec, shortest: int) -> bool:
+    """Whether the unit could take one more sample (packed: the shortest; else one as long as its own rows)."""
+    if spec.mode is Batching.packed:
+        return int(lengths[unit].sum()) + shortest <= spec.max_tokens_per_batch
+    return (len(unit) + 1) * round_up(int(lengths[unit].max()), spec.pad_to_multiple_of) <= spec.max_tokens_per_batch
+
+
+def _fill_budget(order: np.ndarray, lengths: np.ndarray, spec: BatchingSpec) -> list[list[int]]:
+    """Cut indices sorted by decreasing length into micro-batches within the padded-token budget."""
+    units, start = [], 0
+    while start < len(order):
+        # Sorted order: the first row is the longest, so it fixes the padded length of the micro-batch.
+        padded = round_up(int(lengths[order[start]]), spec.pad_to_multiple_of)
+        rows = max(1, spec.max_tokens_per_batch // padded)
+        units.append(order[start : start + rows].tolist())
+        start += rows
+    return units
+
+
+def _pack_best_fit(order: np.ndarray, lengths: np.ndarray, spec: BatchingSpec) -> list[list[int]]:
+    """Best-fit decreasing: each sample goes into the fullest row that still has room for it."""
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (tokens left, row id), sorted, so bisect finds the tightest fit
+    for index in order.tolist():
+        length = int(lengths[index])
+        k = bisect_left(free, (length, -1))
+        if k == len(free):
+            rows.append([index])
+            left, row = spec.max_tokens_per_batch - length, len(rows) - 1
+        else:
+            left, row = free.pop(k)
+            rows[row].append(index)
+            left -= length
+        if left > 0:
+            insort(free, (left, row))
+    return rows
+
+
+def _unit_cost(unit: Sequence[int], lengths: np.ndarray, spec: BatchingSpec) -> int:
+    """Padded tokens of a planning unit (a list of sample indices)."""
+    if spec.mode is Batching.packed:
+        return int(lengths[unit].sum())
+    return len(unit) * round_up(int(lengths[unit].max()), spec.pad_to_multiple_of)
+
+
+def _group_by_cost(units: list[list[int]], lengths: np.ndarray, spec: BatchingSpec) -> list[list[list[int]]]:
+    """Sort units by decreasing cost and put ``world_size`` neighbours in each micro-step.
+
+    Returns ``ceil(len(units) / world_size)`` micro-steps; only the last (cheapest) may be short.
+    """
+    world = spec.world_size
+    costs = np.array([_unit_cost(u, lengths, spec) for u in units], dtype=np.int64)
+    order = np.argsort(-costs, kind="stable").tolist()
+    return [[units[i] for i in order[s : s + world]] for s in range(0, len(order), world)]
+
+
+def _tail_units(pool: list[int], n_steps: int, lengths: np.ndarray, spec: BatchingSpec) -> list[list[int]]:
+    """Divide the leftover samples into a multiple of world_size balanced units.
+
+    Prefers a count that makes the epoch a whole number of optimizer steps. Samples that fit in no unit
+    (possible only when every unit holds a single sample) are dropped: fewer than world_size.
+    """
+    if not pool:
+        return []
+    order = np.array(pool, dtype=np.int64)
+    order = order[np.argsort(-lengths[order], kind="stable")]
+    units: list[list[int]] = []
+    for k in _tail_sizes(len(_fill(order, lengths, spec)), len(order), n_steps, spec):
+        units, n_left = _balanced_units(order, k, lengths, spec)
+        if n_left == 0:
+            break
+    return units
+
+
+def _tail_sizes(natural: int, n_pool: int, n_steps: int, spec: BatchingSpec) -> list[int]:
+    """Unit counts to try for the tail: step-aligned ones first, then any multiple of world_size."""
+    world, accum = spec.world_size, spec.grad_accum_steps
+    sizes = list(range(round_up(natural, world), n_pool + 1, world))
+    aligned = [k for k in sizes if (n_steps + k // world) % accum == 0][:2]
+    return aligned + [k for k in sizes[:4] if k not in aligned] + [n_pool // world * world]
+
+
+def _balanced_units(order: np.ndarray, k: int, lengths: np.ndarray, spec: BatchingSpec) -> tuple[list[list[int]], int]:
+    """Longest-processing-time-first: each sample joins the unit it makes cheapest, within the budget.
+
+    Returns:
+        ``(k units, number of samples that fit nowhere)``; the first k samples seed the k units.
+    """
+    units: list[list[int]] = [[] for _ in range(k)]
+    heap = [(0, u) for u in range(k)]  # (cost of the unit after one more sample, unit); empty units first
+    n_left = 0
+    for index in order.tolist():
+        _, u = heap[0]
+        grown = units[u] + [index]
+        if _unit_cost(grown, lengths, spec) > spec.max_tokens_per_batch:
+            n_left += 1
+            continue
+        units[u] = grown
+        heapq.heapreplace(heap, (_next_cost(grown, lengths, spec), u))
+    return units, n_left
+
+
+def _next_cost(unit: list[int], lengths: np.ndarray, spec: BatchingSpec) -> int:
+    """Cost of ``unit`` after one more sample no longer than its shortest (samples arrive longest first)."""
+    if spec.mode is Batching.packed:
+        return _unit_cost(unit, lengths, spec)
+    return (len(unit) + 1) * round_up(int(lengths[unit].max()), spec.pad_to_multiple_of)
+
+
+def _costliest_first(plan: list[list[MicroBatch]], lengths: np.ndarray, spec: BatchingSpec) -> list[list[MicroBatch]]:
+    """Swap the micro-step with the largest per-rank padded cost to the front."""
+    if not plan:
+        return plan
+    peaks = [max(micro_batch_cost(batch, lengths, spec)[1] for batch in step) for step in plan]
+    top = int(np.argmax(peaks))
+    plan[0], plan[top] = plan[top], plan[0]
+    return plan
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+class DistributedBatchSampler:
+    """One rank's micro-batches, for ``DataLoader(dataset, batch_sampler=...)``.
+
+    Iterating does not move ``position``: a DataLoader with workers reads the sampler ahead of
+    training, so only the trainer knows how many micro-steps were consumed. It reports them through
+    ``skip`` or ``load_state_dict``, and ``state_dict`` gives them back for a checkpoint.
+    """
+
+    def __init__(self, lengths, spec: BatchingSpec, rank: int):
+        """Plan epoch 0.
+
+        Args:
+            lengths: token length of every sample (1-D integers).
+            spec: batching spec, equal on every rank.
+            rank: this process's rank, ``0 <= rank < spec.world_size``.
+
+        Raises:
+            ValueError: rank out of range, or the data cannot fill one micro-step (see ``plan_epoch``).
+        """
+        if not 0 <= rank < spec.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{spec.world_size - 1} for world_size {spec.world_size}")
+        self.spec = spec
+        self.rank = rank
+        self._lengths = _check_lengths(lengths, spec)
+        self._epoch = 0
+        self._position = 0
+        self._plan = plan_epoch(self._lengths, spec, 0)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose plan is loaded."""
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """Micro-steps of the current epoch already consumed."""
+        return self._position
+
+    @property
+    def dropped(self) -> int:
+        """Samples of the dataset left out of the current epoch (see the tail rule in the module docstring)."""
+        used = sum(len(row) for step in self._plan for batch in step for row in batch)
+        return len(self._lengths) - used
+
+    def set_epoch(self, epoch: int) -> None:
+        """Load ``epoch``'s plan (recomputed only when the epoch changes) and rewind to its start."""
+        if epoch != self._epoch:
+            self._plan = plan_epoch(self._lengths, self.spec, epoch)
+            self._epoch = epoch
+        self._position = 0
+
+    def skip(self, n_micro_steps: int = 1) -> None:
+        """Record that the trainer consumed ``n_micro_steps`` more micro-steps.
+
+        Raises:
+            ValueError: the position would leave ``0..len(self)``.
+        """
+        self._set_position(self._position + n_micro_steps)
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        """This rank's micro-batches from ``position`` to the end of the epoch."""
+        return iter([step[self.rank] for step in self._plan[self._position :]])
+
+    def __len__(self) -> int:
+        """Micro-batches per rank in the whole current epoch (equal on every rank)."""
+        return len(self._plan)
+
+    def state_dict(self) -> dict:
+        """``{"epoch": int, "position": int}``: enough to resume mid-epoch."""
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore epoch and position, so iterating yields exactly the rest of that epoch.
+
+        Raises:
+            ValueError: the position lies outside the epoch.
+        """
+        self.set_epoch(int(state["epoch"]))
+        self._set_position(int(state["position"]))
+
+    def micro_step_costs(self, i: int) -> tuple[list[int], list[int]]:
+        """Real and padded tokens of every rank at micro-step ``i``, computed locally with no collective.
+
+        Returns:
+            ``(real per rank, padded per rank)``.
+        """
+        costs = [micro_batch_cost(batch, self._lengths, self.spec) for batch in self._plan[i]]
+        return [real for real, _ in costs], [padded for _, padded in costs]
+
+    def _set_position(self, position: int) -> None:
+        if not 0 <= position <= len(self._plan):
+            raise ValueError(f"position {position} is outside epoch {self._epoch}'s 0..{len(self._plan)} micro-steps")
+        self._position = position

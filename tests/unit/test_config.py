@@ -1,0 +1,111 @@
+"""Every shipped config composes; bad configs fail early, naming the key and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+from ddptrain.__main__ import CONF_DIR
+from ddptrain.config import Batching, CommHook, ConfigError
+from tests.conftest import REPO, compose_config
+
+GROUPS = ["model", "data", "parallel", "optim", "trainer"]
+NEEDS_PATH = {"alpaca", "chat"}  # data options whose data.path is required
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in group_options(g)])
+def test_every_config_file_composes(group: str, option: str, tmp_path: Path) -> None:
+    overrides = [f"{group}={option}"]
+    if group == "data" and option in NEEDS_PATH:
+        data_file = tmp_path / "rows.jsonl"
+        data_file.write_text('{"instruction": "x", "input": "", "output": "y"}\n')
+        overrides.append(f"data.path={data_file}")
+    cfg = compose_config(overrides)
+    assert getattr(cfg, group) is not None
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (REPO / "recipes").glob("*.yaml")))
+def test_every_recipe_composes(recipe: str, tmp_path: Path) -> None:
+    text = (REPO / "recipes" / f"{recipe}.yaml").read_text()
+    assert text.startswith("#"), "a recipe starts with the command that runs it"
+    data_file = tmp_path / "rows.jsonl"
+    data_file.write_text('{"instruction": "x", "input": "", "output": "y"}\n')
+    overrides = [f"data.path={data_file}"] if "data: alpaca" in text or "data: chat" in text else []
+    cfg = compose_config(overrides, config_name=recipe, config_dir=REPO / "recipes")
+    assert cfg.trainer is not None
+
+
+def test_default_job_is_two_cpu_processes_on_bundled_assets() -> None:
+    cfg = compose_config([])
+    assert cfg.parallel.nproc_per_node == 2
+    assert Path(cfg.model.name_or_path).is_dir() and Path(cfg.data.path).is_file()
+    assert cfg.data.batching == Batching.length_grouped
+
+
+def test_misspelled_key_names_the_key() -> None:
+    with pytest.raises(ConfigCompositionException, match=r"trainer\.max_step"):
+        compose_config(["trainer.max_step=3"])
+
+
+def test_wrong_type_is_refused() -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(["trainer.max_steps=abc"])
+    assert "max_steps" in str(info.value) + str(info.value.__cause__)
+
+
+def test_unknown_option_lists_the_available_ones() -> None:
+    with pytest.raises(MissingConfigException, match="ddp2"):
+        compose_config(["parallel=ddp3"])
+
+
+def test_unknown_choice_value_is_refused() -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(["trainer.precision=fp8"])
+    assert "fp8" in str(info.value.__cause__)
+
+
+def test_missing_data_file_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"data\.path=/no/such/file\.jsonl: no such file"):
+        compose_config(["data.path=/no/such/file.jsonl"])
+
+
+def test_required_data_path() -> None:
+    with pytest.raises(ConfigError, match=r"data\.path is required"):
+        compose_config(["data=alpaca"])
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(["optim.lr=-1", "optim.grad_accum_steps=0", "model.device_map=auto", "data.eval_fraction=1.5"])
+    message = str(info.value)
+    for key in ("optim.lr=-1", "optim.grad_accum_steps=0", "model.device_map=auto", "data.eval_fraction=1.5"):
+        assert key in message
+    assert len(info.value.problems) == 4
+
+
+def test_bf16_compress_on_gloo_is_refused_with_the_alternative() -> None:
+    with pytest.raises(ConfigError, match="fp16_compress"):
+        compose_config(["parallel.comm_hook=bf16_compress", "parallel.backend=gloo"])
+    assert compose_config(["parallel.comm_hook=fp16_compress"]).parallel.comm_hook == CommHook.fp16_compress
+
+
+def test_fp16_full_finetune_is_refused() -> None:
+    with pytest.raises(ConfigError, match="GradScaler"):
+        compose_config(["model.dtype=fp16", "model.lora=false"])
+
+
+def test_token_budget_must_fit_one_row() -> None:
+    with pytest.raises(ConfigError, match="max_tokens_per_batch"):
+        compose_config(["data.batching=token_budget", "data.max_tokens_per_batch=100", "data.max_length=512"])
+
+
+def test_tiny_model_sets_its_own_lr_and_cli_still_wins() -> None:
+    assert compose_config([]).optim.lr == pytest.approx(5e-3)
+    assert compose_config(["optim.lr=1e-4"]).optim.lr == pytest.approx(1e-4)
+    assert compose_config(["model=qwen7b_lora"]).optim.lr == pytest.approx(2e-4)
