@@ -17,9 +17,9 @@ import socket
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record

@@ -43,7 +43,9 @@ def datasets_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("datasets-cache")
 
 
-def run_ddptrain(args: list[str], timeout: float = 300, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+def run_ddptrain(
+    args: list[str], timeout: float = 300, launcher: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """Run the real entrypoint in a subprocess (``python -m ddptrain`` unless ``launcher`` says otherwise)."""
     command = (launcher or [sys.executable]) + ["-m", "ddptrain", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -1,0 +1,46 @@
+# The README's two commands: `make train` (the default CPU job) and `make test` (the test suite).
+# Both create .venv and install everything on first use.
+PYTHON ?= python3
+VENV ?= .venv
+# Install torch before the project so pip never swaps in another build. On a CPU-only machine
+# without a local wheel, a smaller CPU build: make train TORCH_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH ?= torch==2.13.0
+TORCH_ARGS ?=
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test lint format bench-samplers bench-throughput clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)" $(TORCH_ARGS)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+train: setup  ## the default job: tiny Qwen2 + bundled data, 2 CPU processes
+	$(BIN)/python -m ddptrain $(ARGS)
+
+test: setup  ## the whole suite: unit, 2-process gloo, end-to-end
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench-samplers: setup
+	$(BIN)/python -m ddptrain.bench.samplers --data ../shared/data/alpaca/alpaca_data_52k.jsonl \
+		--tokenizer ../shared/data/tokenizers/qwen2 --world-size 4 --micro-batch-size 8
+
+bench-throughput: setup
+	$(BIN)/python -m ddptrain.bench.throughput --data ../shared/data/alpaca/alpaca_data_52k.jsonl \
+		--tokenizer ../shared/data/tokenizers/qwen2
+
+clean:
+	rm -rf outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,189 @@
+"""The real entrypoint, as users run it: ``python -m ddptrain`` and ``torchrun -m ddptrain``."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from ddptrain.config import RunConfig
+from ddptrain.data import Collator, RowsDataset, build_datasets
+from ddptrain.model import CausalLMLoss
+from tests.conftest import ALPACA, REPO, read_metrics, requires_shared, run_ddptrain, run_dirs
+
+pytestmark = pytest.mark.e2e
+TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
+METRIC_FIELDS = {"step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
+BATCH_FIELDS = {"padding_fraction", "rank_imbalance", "peak_rank_tokens"}
+
+
+def alpaca_args(output_dir: Path, cache: Path, steps: int = 20) -> list[str]:
+    return [
+        "data=alpaca",
+        f"data.path={ALPACA}",
+        "data.max_rows=2000",
+        "data.max_length=256",
+        "data.eval_fraction=0.02",
+        f"data.cache_dir={cache}",
+        f"trainer.max_steps={steps}",
+        "trainer.log_every_n_steps=5",
+        "trainer.progress_bar=false",
+        "parallel.timeout_s=60",
+        f"trainer.output_dir={output_dir}",
+    ]
+
+
+def load_saved_run_config(run_dir: Path) -> RunConfig:
+    from ddptrain.config import register_configs
+
+    register_configs()
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(run_dir / "config.yaml"))
+    return OmegaConf.to_object(merged)
+
+
+def eval_loss_from_saved_adapter(run_dir: Path) -> float:
+    """Rebuild the eval split from the saved config and score it with plain transformers + peft."""
+    cfg = load_saved_run_config(run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "adapter")
+    eval_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed).eval
+    base = AutoModelForCausalLM.from_pretrained(run_dir / "base")
+    scorer = CausalLMLoss(PeftModel.from_pretrained(base, run_dir / "adapter")).eval()
+    collate = Collator(tokenizer.pad_token_id)
+    rows = RowsDataset(eval_set)
+    total = tokens = 0.0
+    with torch.no_grad():
+        for i in range(len(eval_set)):
+            loss_sum, n = scorer(**collate([rows[(i,)]]))
+            total, tokens = total + float(loss_sum), tokens + float(n)
+    return total / tokens
+
+
+def check_training_run(output_dir: Path, result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(output_dir)  # exactly one run directory for both ranks
+    assert f"Results in {run_dir}" in result.stderr
+    records = read_metrics(run_dir)
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [5, 10, 15, 20]
+    for record in train:
+        assert record.keys() >= METRIC_FIELDS | BATCH_FIELDS
+        assert record["tokens"] > 0 and record["tokens_per_s"] > 0
+    assert train[-1]["loss"] < train[0]["loss"] - 0.3, [r["loss"] for r in train]
+    eval_loss = records[-1]["eval_loss"]
+    assert eval_loss_from_saved_adapter(run_dir) == pytest.approx(eval_loss, rel=1e-5)
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+    assert not (run_dir / "adapter" / "adapter_model.safetensors").read_bytes().count(b"module.")
+
+
+@requires_shared
+def test_python_m_ddptrain_self_launches_two_ranks(tmp_path, datasets_cache) -> None:
+    result = run_ddptrain(alpaca_args(tmp_path / "out", datasets_cache))
+    check_training_run(tmp_path / "out", result)
+    assert "[rank1]" not in result.stderr or "WARNING" in result.stderr
+
+
+@requires_shared
+def test_torchrun_two_ranks(tmp_path, datasets_cache) -> None:
+    result = run_ddptrain(alpaca_args(tmp_path / "out", datasets_cache), launcher=TORCHRUN)
+    check_training_run(tmp_path / "out", result)
+
+
+def test_two_runs_started_together_both_succeed(tmp_path) -> None:
+    args = ["trainer.max_steps=3", "trainer.progress_bar=false", "data.max_rows=300", "parallel.timeout_s=60"]
+    args.append(f"trainer.output_dir={tmp_path}")
+    command = [sys.executable, "-m", "ddptrain", *args]
+    procs = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    dirs = run_dirs(tmp_path)
+    assert len(dirs) == 2 and all((d / "metrics.jsonl").is_file() for d in dirs)
+
+
+def test_multirun_gives_each_job_its_own_folder_and_group(tmp_path) -> None:
+    result = run_ddptrain(
+        [
+            "-m",
+            "optim.grad_accum_steps=1,2",
+            "trainer.max_steps=3",
+            "trainer.progress_bar=false",
+            "data.max_rows=300",
+            f"trainer.output_dir={tmp_path}",
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (sweep,) = run_dirs(tmp_path / "multirun")
+    jobs = run_dirs(sweep)
+    assert [j.name.split("_")[0] for j in jobs] == ["0", "1"]
+    for job, accum in zip(jobs, (1, 2)):
+        assert read_metrics(job)[0]["step"] >= 1
+        assert f"grad_accum_steps: {accum}" in (job / "config.yaml").read_text()
+
+
+BAD_CONFIGS = {
+    "misspelled key": (["trainer.max_step=3"], "trainer.max_step"),
+    "wrong type": (["trainer.max_steps=abc"], "max_steps"),
+    "unknown option": (["parallel=ddp3"], "parallel/ddp3"),
+    "missing data file": (["data.path=/no/such/rows.jsonl"], "data.path=/no/such/rows.jsonl"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_fails_fast_naming_the_key(case, tmp_path) -> None:
+    overrides, expected = BAD_CONFIGS[case]
+    marker = f"trainer.output_dir={tmp_path}/bad-config-marker"
+    start = time.monotonic()
+    result = run_ddptrain([*overrides, marker], timeout=60)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 30
+    assert expected in result.stderr
+    assert_no_process_left(marker)
+
+
+def test_torchrun_size_mismatch_fails_fast(tmp_path) -> None:
+    marker = f"trainer.output_dir={tmp_path}/mismatch-marker"
+    start = time.monotonic()
+    result = run_ddptrain(["parallel=ddp4", marker], timeout=90, launcher=TORCHRUN)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 45
+    assert "parallel.nproc_per_node=4 but torchrun started 2" in result.stdout + result.stderr
+    assert_no_process_left(marker)
+
+
+def test_busy_master_port_fails_fast_with_the_fix(tmp_path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        env_result = subprocess.run(
+            [sys.executable, "-m", "ddptrain", f"trainer.output_dir={tmp_path}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+            env={**__import__("os").environ, "MASTER_PORT": str(port)},
+        )
+    assert env_result.returncode != 0
+    assert f"MASTER_PORT={port} is already in use" in env_result.stderr
+    assert "Unset MASTER_PORT" in env_result.stderr
+
+
+def test_multirun_under_torchrun_is_refused() -> None:
+    result = run_ddptrain(["-m", "optim.grad_accum_steps=1,2"], timeout=90, launcher=TORCHRUN)
+    assert result.returncode != 0
+    assert "python -m ddptrain -m" in result.stdout + result.stderr
+
+
+def assert_no_process_left(marker: str) -> None:
+    if shutil.which("pgrep") is None:
+        return
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    assert not found, f"processes left behind: {found}"
