@@ -92,6 +92,8 @@ class RowEncoder:
     def encode_turns(self, turns_per_row: list[list[tuple[str, str]]]) -> list[tuple[list[int], list[int], bool]]:
         """(input_ids, labels, truncated) per row; EOS appended after the last response."""
         flat = [turn for turns in turns_per_row for turn in turns]
+        if not flat:  # every row of this batch was malformed and skipped
+            return []
         # One tokenizer call per batch for prompts and one for responses: ~10x faster than per row.
         prompts = self.tokenizer([p for p, _ in flat], add_special_tokens=False).input_ids
         responses = self.tokenizer([r for _, r in flat], add_special_tokens=False).input_ids
@@ -119,7 +121,7 @@ class RowEncoder:
             except RowError as err:
                 if not self.cfg.skip_bad_rows:
                     raise ValueError(
-                        f"{source}:{index + 1}: {err}. Fix the row, set the data.*_field keys to "
+                        f"{_locate(source, index)}: {err}. Fix the row, set the data.*_field keys to "
                         "your field names, or set data.skip_bad_rows=true to skip such rows."
                     ) from None
                 turns_per_row.append(None)
@@ -134,6 +136,18 @@ class RowEncoder:
             out["bad"].append(turns is None)
             out["no_target"].append(turns is not None and _no_target(labels))
         return out
+
+
+def _locate(source: str, index: int) -> str:
+    """``path:line`` of row ``index`` in a .jsonl file (blank lines are not rows), else ``path, row N``."""
+    if Path(source).suffix.lower() == ".jsonl":
+        with open(source, encoding="utf-8") as f:
+            rows_seen = -1
+            for line_no, line in enumerate(f, start=1):
+                rows_seen += bool(line.strip())
+                if rows_seen == index:
+                    return f"{source}:{line_no}"
+    return f"{source}, row {index + 1}"
 
 
 def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:

@@ -83,7 +83,8 @@ def _text_field(row: Mapping[str, Any], name: str, required: bool) -> str:
     value = row.get(name)
     if value is None:
         if required:
-            raise RowError(f"missing field '{name}' (present: {', '.join(sorted(row)) or 'none'})")
+            present = sorted(key for key, v in row.items() if v is not None)
+            raise RowError(f"missing field '{name}' (present: {', '.join(present) or 'none'})")
         return ""
     if not isinstance(value, str):
         raise RowError(f"field '{name}' must be text, got {type(value).__name__}")

@@ -1,0 +1,243 @@
+"""The loss module against a plain reference, packing, gradient checkpointing and LoRA setup."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddptrain.config import DataConfig, DType, ModelConfig
+from ddptrain.data import Collator, RowEncoder
+from ddptrain.model import IGNORE_INDEX, CausalLMLoss, build_model, build_tokenizer
+from tests.conftest import REPO, compose_config
+
+CPU = torch.device("cpu")
+TINY_INSTRUCT = REPO / "ddptrain" / "assets" / "tiny_instruct.jsonl"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelConfig:
+    return compose_config([]).model
+
+
+@pytest.fixture(scope="module")
+def samples(tiny) -> list[dict[str, list[int]]]:
+    """Four real rows of the bundled data, tokenized with their prompts masked."""
+    tokenizer = build_tokenizer(tiny)
+    encoder = RowEncoder(DataConfig(path=str(TINY_INSTRUCT)), tokenizer)
+    with open(TINY_INSTRUCT) as f:
+        rows = [json.loads(next(f)) for _ in range(4)]
+    encoded = encoder.encode_turns([encoder.turns(row) for row in rows])
+    return [{"input_ids": ids, "labels": labels} for ids, labels, _ in encoded]
+
+
+def lora_params(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in module.named_parameters() if "lora_" in name}
+
+
+def randomize_lora_b(module: torch.nn.Module, seed: int = 1) -> None:
+    """LoRA B starts at zero, which would leave lora_A without gradient; give it values."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora_params(module).items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+
+
+def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in lora_params(module).items()}
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_same_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: float) -> None:
+    assert got.keys() == expected.keys() and got
+    worst = max(expected, key=lambda name: rel_diff(got[name], expected[name]))
+    assert rel_diff(got[worst], expected[worst]) <= tol, worst
+
+
+def make_model(cfg: ModelConfig, seed: int = 0) -> CausalLMLoss:
+    model = build_model(cfg, seed, CPU)
+    randomize_lora_b(model)
+    return model.train()
+
+
+def reference_loss_sum(loss_module: CausalLMLoss, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Full logits from the plain transformers call, then cross-entropy over the shifted labels."""
+    logits = loss_module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(),
+        batch["labels"][:, 1:].flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def test_target_only_head_matches_full_logits_loss_and_grads(tiny):
+    model = make_model(tiny)
+    torch.manual_seed(0)
+    rows = []
+    for length, n_prompt in ((12, 5), (7, 3), (4, 1)):  # uneven real lengths, so the batch has padding
+        ids = torch.randint(0, 4000, (length,)).tolist()
+        rows.append([{"input_ids": ids, "labels": [IGNORE_INDEX] * n_prompt + ids[n_prompt:]}])
+    batch = Collator(pad_id=0, pad_to_multiple_of=8)(rows)
+    assert batch["attention_mask"].eq(0).any()
+
+    loss_sum, n_tokens = model(**batch)
+    loss_sum.backward()
+    got = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    expected = reference_loss_sum(model, batch)
+    expected.backward()
+    assert n_tokens.item() == (12 - 5) + (7 - 3) + (4 - 1)
+    assert rel_diff(loss_sum.detach(), expected.detach()) <= 1e-6
+    assert_same_grads(got, grads(model), tol=1e-6)
+    assert all(g.abs().sum() > 0 for g in got.values()), "every LoRA matrix, lora_A included, gets a gradient"
+
+
+def test_full_logits_match_the_transformers_logits(tiny):
+    model = make_model(tiny).eval()
+    input_ids = torch.randint(0, 4000, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model.model(input_ids=input_ids).logits.float()
+        assert torch.allclose(model.full_logits(input_ids), expected, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def per_sample_losses(model: CausalLMLoss, batch: dict[str, torch.Tensor], spans) -> list[torch.Tensor]:
+    """Loss sum of each sample: the same batch with every other sample's labels masked."""
+    losses = []
+    for row, start, end in spans:
+        labels = torch.full_like(batch["labels"], IGNORE_INDEX)
+        labels[row, start:end] = batch["labels"][row, start:end]
+        losses.append(model(**{**batch, "labels": labels})[0])
+    return losses
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_row_equals_samples_alone_and_padded(tiny, samples, attn):
+    model = make_model(replace(tiny, attn_implementation=attn))
+    packed = Collator(pad_id=0, packed=True)([samples])
+    padded = Collator(pad_id=0, pad_to_multiple_of=8)([[s] for s in samples])
+    lengths = [len(s["input_ids"]) for s in samples]
+    assert len(set(lengths)) > 1, "uneven lengths, so padding is exercised"
+    starts = [sum(lengths[:i]) for i in range(len(samples))]
+
+    with torch.no_grad():
+        alone = [
+            model(input_ids=torch.tensor([s["input_ids"]]), labels=torch.tensor([s["labels"]]))[0] for s in samples
+        ]
+        from_packed = per_sample_losses(model, packed, [(0, a, a + n) for a, n in zip(starts, lengths)])
+        from_padded = per_sample_losses(model, padded, [(i, 0, n) for i, n in enumerate(lengths)])
+    for single, p, q in zip(alone, from_packed, from_padded):
+        assert rel_diff(p, single) <= 1e-5
+        assert rel_diff(q, single) <= 1e-5
+
+    model.zero_grad(set_to_none=True)
+    packed_sum, packed_tokens = model(**packed)
+    packed_sum.backward()
+    packed_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    padded_sum, padded_tokens = model(**padded)
+    padded_sum.backward()
+    assert packed_tokens.item() == padded_tokens.item()
+    assert rel_diff(packed_sum.detach(), padded_sum.detach()) <= 1e-5
+    assert_same_grads(packed_grads, grads(model), tol=1e-5)
+
+    # The comparison is sensitive: positions that run on across samples let attention cross them.
+    run_on = {**packed, "position_ids": torch.arange(sum(lengths)).unsqueeze(0)}
+    with torch.no_grad():
+        leaked = per_sample_losses(model, run_on, [(0, a, a + n) for a, n in zip(starts, lengths)])
+    assert rel_diff(leaked[1], alone[1]) > 1e-3
+
+
+# ----------------------------------------------------------------------------- gradient checkpointing
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_grads(tiny, samples):
+    batch = Collator(pad_id=0)([[s] for s in samples])
+    results = []
+    for checkpointing in (False, True):
+        model = make_model(replace(tiny, gradient_checkpointing=checkpointing))
+        calls = []
+        first_op = model.decoder.layers[0].input_layernorm
+        handle = first_op.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        loss_sum, _ = model(**batch)
+        loss_sum.backward()
+        handle.remove()
+        results.append((loss_sum.detach(), grads(model), len(calls)))
+    (plain_loss, plain_grads, plain_calls), (ckpt_loss, ckpt_grads, ckpt_calls) = results
+    assert (plain_calls, ckpt_calls) == (1, 2), "checkpointing re-runs each layer's forward in backward"
+    assert rel_diff(ckpt_loss, plain_loss) <= 1e-6
+    assert_same_grads(ckpt_grads, plain_grads, tol=1e-6)
+
+
+def test_gradient_checkpointing_trains_every_lora_weight_from_step_one(tiny, samples):
+    model = build_model(replace(tiny, gradient_checkpointing=True), 0, CPU).train()
+    params = lora_params(model)
+    assert params and all(p.requires_grad for p in params.values())
+    assert all(p.abs().sum() == 0 for name, p in params.items() if "lora_B" in name), "peft starts lora_B at zero"
+    loss_sum, _ = model(**Collator(pad_id=0)([[s] for s in samples[:2]]))
+    loss_sum.backward()
+    assert all(p.grad is not None for p in params.values())
+    b_grads = [p.grad for name, p in params.items() if "lora_B" in name]
+    assert b_grads and all(g.abs().sum() > 0 for g in b_grads)
+
+
+# ----------------------------------------------------------------------------- build_model
+
+
+@pytest.mark.parametrize("dtype", [DType.fp32, DType.bf16])
+def test_only_lora_weights_train_and_they_stay_fp32(tiny, dtype):
+    model = build_model(replace(tiny, dtype=dtype), 0, CPU)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and trainable == set(lora_params(model))
+    # all-linear: the adapters sit on every attention and MLP projection of both layers.
+    for projection in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert sum(projection in name for name in trainable) == 2 * 2  # A and B, two layers
+    assert all(p.dtype == torch.float32 for p in lora_params(model).values())
+    base_dtype = {DType.fp32: torch.float32, DType.bf16: torch.bfloat16}[dtype]
+    frozen = [p for name, p in model.named_parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == base_dtype for p in frozen)
+
+
+def test_full_fine_tune_trains_every_weight(tiny):
+    model = build_model(replace(tiny, lora=False), 0, CPU)
+    assert all(p.requires_grad for p in model.parameters())
+    assert not lora_params(model)
+
+
+def test_random_init_depends_only_on_the_seed(tiny):
+    def weights(seed):
+        return {name: p.detach().clone() for name, p in build_model(tiny, seed, CPU).named_parameters()}
+
+    first, again, other = weights(7), weights(7), weights(8)
+    assert first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    base = [name for name in first if "lora_" not in name and first[name].ndim == 2]
+    assert base and all(not torch.equal(first[name], other[name]) for name in base)
+
+
+def test_tokenizer_has_eos_and_pad(tiny):
+    tokenizer = build_tokenizer(tiny)
+    assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id is not None
+    assert tokenizer.decode([tokenizer.eos_token_id]) == tokenizer.eos_token

@@ -1,0 +1,117 @@
+"""Optimizer over trainable parameters only, and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from ddptrain.config import OptimConfig, Scheduler
+from ddptrain.optim import build_optimizer, build_scheduler, lr_multiplier
+
+
+class TwoLayers(nn.Module):
+    """A frozen 'base' layer and a trainable 'adapter' layer with a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 4)
+        self.base.requires_grad_(False)
+        self.norm = nn.LayerNorm(4)
+        self.adapter = nn.Linear(4, 4)
+
+
+def _ids(params) -> set[int]:
+    return {id(p) for p in params}
+
+
+def test_optimizer_holds_only_trainable_parameters():
+    model = TwoLayers()
+    optimizer = build_optimizer(OptimConfig(lr=1e-3), model)
+    held = _ids(p for group in optimizer.param_groups for p in group["params"])
+    assert held == _ids(p for p in model.parameters() if p.requires_grad)
+    assert held.isdisjoint(_ids(model.base.parameters()))
+
+
+def test_frozen_parameters_get_no_optimizer_state_and_do_not_move():
+    torch.manual_seed(0)
+    model = TwoLayers()
+    optimizer = build_optimizer(OptimConfig(lr=1e-2, weight_decay=0.1), model)
+    before = model.base.weight.clone()
+    model.adapter(model.norm(model.base(torch.randn(3, 4)))).pow(2).sum().backward()
+    optimizer.step()
+    assert torch.equal(model.base.weight, before)
+    assert _ids(optimizer.state) == _ids(p for p in model.parameters() if p.requires_grad)
+
+
+def test_no_weight_decay_on_biases_and_norm_weights():
+    model = TwoLayers()
+    optimizer = build_optimizer(OptimConfig(lr=1e-3, weight_decay=0.1), model)
+    decay_of = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    assert decay_of[id(model.adapter.weight)] == 0.1
+    for p in (model.adapter.bias, model.norm.weight, model.norm.bias):
+        assert decay_of[id(p)] == 0.0
+
+
+def test_config_values_reach_the_optimizer():
+    cfg = OptimConfig(lr=3e-4, betas=[0.8, 0.95], eps=1e-6)
+    group = build_optimizer(cfg, TwoLayers()).param_groups[0]
+    assert group["lr"] == 3e-4 and tuple(group["betas"]) == (0.8, 0.95) and group["eps"] == 1e-6
+
+
+def test_nothing_trainable_is_a_value_error():
+    model = TwoLayers().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        build_optimizer(OptimConfig(), model)
+
+
+def test_warmup_ramps_up_to_the_peak():
+    cfg = OptimConfig(warmup_steps=4, scheduler=Scheduler.cosine)
+    warm = [lr_multiplier(s, cfg, total_steps=20) for s in range(4)]
+    assert all(0 < a < b for a, b in itertools.pairwise(warm))
+    assert warm[0] > 0  # the first step already learns something
+    assert warm[-1] < 1.0
+    assert lr_multiplier(4, cfg, total_steps=20) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("scheduler", [Scheduler.cosine, Scheduler.linear])
+def test_decay_goes_from_peak_to_min_lr_ratio(scheduler):
+    cfg = OptimConfig(warmup_steps=2, scheduler=scheduler, min_lr_ratio=0.1)
+    values = [lr_multiplier(s, cfg, total_steps=12) for s in range(2, 13)]
+    assert values[0] == pytest.approx(1.0)
+    assert values[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in itertools.pairwise(values))
+    assert lr_multiplier(50, cfg, total_steps=12) == pytest.approx(0.1)  # never below the floor
+
+
+def test_cosine_and_linear_shapes_at_midpoint():
+    cosine = OptimConfig(scheduler=Scheduler.cosine, min_lr_ratio=0.0)
+    linear = OptimConfig(scheduler=Scheduler.linear, min_lr_ratio=0.0)
+    assert lr_multiplier(5, cosine, total_steps=10) == pytest.approx(0.5)
+    assert lr_multiplier(2, cosine, total_steps=10) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.2)))
+    assert lr_multiplier(2, linear, total_steps=10) == pytest.approx(0.8)
+    assert lr_multiplier(10, linear, total_steps=10) == pytest.approx(0.0)
+
+
+def test_constant_stays_at_peak_after_warmup():
+    cfg = OptimConfig(warmup_steps=3, scheduler=Scheduler.constant, min_lr_ratio=0.1)
+    assert lr_multiplier(0, cfg, total_steps=10) < 1.0
+    assert [lr_multiplier(s, cfg, total_steps=10) for s in range(3, 30)] == [1.0] * 27
+
+
+def test_scheduler_drives_the_optimizer_lr():
+    cfg = OptimConfig(lr=1e-2, warmup_steps=1, scheduler=Scheduler.linear, min_lr_ratio=0.0)
+    model = TwoLayers()
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer, total_steps=5)
+    seen = []
+    for _ in range(6):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    expected = [1e-2 * lr_multiplier(s, cfg, 5) for s in range(6)]
+    assert seen == pytest.approx(expected)
+    assert seen[0] == pytest.approx(0.5e-2) and seen[-1] == pytest.approx(0.0)
