@@ -108,6 +108,10 @@ class ModelConfig:
     """peft target_modules: 'all-linear' or a comma-separated list of module names."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (non-reentrant, DDP-safe): less memory, ~20-30% slower."""
+    gradient_checkpointing_reentrant: bool = False
+    """Use torch's older reentrant checkpointing (refused with parallel.find_unused_parameters=true)."""
+    liger_kernel: bool = False
+    """Liger-Kernel's fused RMSNorm/SwiGLU/RoPE kernels (CUDA only; pip install 'ddptrain[liger]')."""
     device_map: Optional[str] = None
     """Refused under DDP (each rank holds a full replica); kept so the error can say so."""
 
@@ -252,6 +256,17 @@ def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainerConfig) -> list[st
     if m.init == ModelInit.random and m.config_path is None and not _looks_local(m.name_or_path):
         problems.append(
             "model.init=random needs an architecture config: set model.config_path=<folder with config.json>."
+        )
+    if m.gradient_checkpointing and m.gradient_checkpointing_reentrant and p.find_unused_parameters:
+        problems.append(
+            "model.gradient_checkpointing_reentrant=true with parallel.find_unused_parameters=true makes DDP "
+            'fail with "Expected to mark a variable ready only once": set '
+            "model.gradient_checkpointing_reentrant=false (non-reentrant works with DDP and LoRA)."
+        )
+    if m.liger_kernel and t.device == Device.cpu:
+        problems.append(
+            "model.liger_kernel=true needs a CUDA device (Liger's kernels are Triton GPU kernels), but "
+            "trainer.device=cpu: set model.liger_kernel=false or train on GPUs."
         )
     if m.dtype == DType.fp16 and not m.lora:
         problems.append(

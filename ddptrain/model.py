@@ -78,9 +78,9 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     return get_peft_model(model, lora, autocast_adapter_dtype=True)
 
 
-def apply_gradient_checkpointing(model: nn.Module) -> None:
-    """Non-reentrant checkpointing: safe under DDP (no "marked ready twice") and with frozen inputs."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+def apply_gradient_checkpointing(model: nn.Module, reentrant: bool = False) -> None:
+    """Checkpoint every decoder layer; non-reentrant by default (DDP-safe: no "marked ready twice")."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     # With a frozen embedding nothing upstream of the first checkpointed block needs grad;
     # make its output require grad so that LoRA weights inside checkpointed blocks train.
     model.enable_input_require_grads()
@@ -124,13 +124,40 @@ class CausalLMLoss(nn.Module):
         return self.lm_head(hidden).float()
 
 
+def apply_liger_kernel(cfg: ModelConfig, device: torch.device) -> None:
+    """Patch the model family's transformers classes with Liger's fused kernels (before the model is built).
+
+    The loss stays ddptrain's (LM head on target positions only), so Liger's cross-entropy
+    patches are not used.
+
+    Raises:
+        RuntimeError: no CUDA device, liger-kernel not installed, or an unsupported model family.
+    """
+    if device.type != "cuda":
+        raise RuntimeError("model.liger_kernel=true needs a CUDA device: set model.liger_kernel=false on CPU.")
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        raise RuntimeError(
+            "model.liger_kernel=true but liger-kernel is not installed: pip install 'ddptrain[liger]'."
+        ) from None
+    model_type = AutoConfig.from_pretrained(cfg.config_path or cfg.name_or_path).model_type
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise RuntimeError(f"liger-kernel has no kernels for model type '{model_type}': set model.liger_kernel=false.")
+    MODEL_TYPE_TO_APPLY_LIGER_FN[model_type](
+        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
+
+
 def build_model(cfg: ModelConfig, seed: int, device: torch.device) -> CausalLMLoss:
     """Base model -> LoRA (or full fine-tune) -> gradient checkpointing -> loss module, on ``device``."""
+    if cfg.liger_kernel:
+        apply_liger_kernel(cfg, device)
     model = build_base_model(cfg, seed)
     if cfg.lora:
         model = apply_lora(model, cfg)
     if cfg.gradient_checkpointing:
-        apply_gradient_checkpointing(model)
+        apply_gradient_checkpointing(model, cfg.gradient_checkpointing_reentrant)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("model: %s trainable of %s parameters (%.3f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)

@@ -129,11 +129,27 @@ def teardown() -> None:
 # ----------------------------------------------------------------------------- DDP
 
 
-def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv) -> nn.Module:
+@dataclass
+class CommCounter:
+    """What DDP's communication hook actually sent: calls and bytes per rank (measured in the hook)."""
+
+    calls: int = 0
+    syncs: int = 0
+    bytes: int = 0
+
+    def take(self) -> tuple[int, int, int]:
+        """(calls, syncs, bytes) since the last take."""
+        counts = (self.calls, self.syncs, self.bytes)
+        self.calls = self.syncs = self.bytes = 0
+        return counts
+
+
+def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: CommCounter | None = None) -> nn.Module:
     """Wrap in DDP when there is more than one rank; a single process gets the model back.
 
-    The communication hook, if any, is registered here, so it composes with
-    ``grad_sync``: skipped micro-steps run no hook at all.
+    The communication hook (plain all-reduce unless parallel.comm_hook says otherwise) is
+    registered here, wrapped so that ``counter`` sees every bucket it sends. Skipped
+    micro-steps (``grad_sync(enabled=False)``) run no hook at all.
     """
     if env.world_size == 1:
         return model
@@ -145,40 +161,43 @@ def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv) -> nn.Module
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
     )
-    _register_comm_hook(ddp, cfg, env)
+    state, hook, wire_bytes = _comm_hook(cfg, env)
+    ddp.register_comm_hook(state, _counting(hook, wire_bytes, counter or CommCounter()))
     return ddp
 
 
-def _register_comm_hook(ddp: DDP, cfg: ParallelConfig, env: DistEnv) -> None:
+def _comm_hook(cfg: ParallelConfig, env: DistEnv) -> tuple[Any, Any, int | None]:
+    """(state, hook, bytes per gradient element on the wire; None when it depends on the bucket)."""
     if cfg.comm_hook == CommHook.none:
-        return
-    if cfg.comm_hook == CommHook.bf16_compress and env.backend != "nccl":
-        raise RuntimeError(
-            "parallel.comm_hook=bf16_compress needs the nccl backend (PyTorch's hook refuses gloo): "
-            "use parallel.comm_hook=fp16_compress on CPU."
-        )
+        return None, default_hooks.allreduce_hook, None
     if cfg.comm_hook == CommHook.fp16_compress:
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif cfg.comm_hook == CommHook.bf16_compress:
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    else:
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=2
-        )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return None, default_hooks.fp16_compress_hook, 2
+    if cfg.comm_hook == CommHook.bf16_compress:
+        if env.backend != "nccl":
+            raise RuntimeError(
+                "parallel.comm_hook=bf16_compress needs the nccl backend (PyTorch's hook refuses gloo): "
+                "use parallel.comm_hook=fp16_compress on CPU."
+            )
+        return None, default_hooks.bf16_compress_hook, 2
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=2
+    )
+    return state, powerSGD_hook.powerSGD_hook, None
 
 
-def comm_bytes_per_sync(model: nn.Module, cfg: ParallelConfig, env: DistEnv) -> int:
-    """Bytes of gradient each rank all-reduces per optimizer step (0 for one process).
+def _counting(hook: Any, wire_bytes: int | None, counter: CommCounter) -> Any:
+    # No annotations: DDP rejects a hook whose ``bucket`` annotation is not the GradBucket class
+    # itself, and ``from __future__ import annotations`` would turn it into a string.
+    def counted(state, bucket):
+        buffer = bucket.buffer()
+        counter.calls += 1
+        counter.syncs += int(bucket.is_last())
+        # PowerSGD sends low-rank factors whose size is known only inside the hook: count the
+        # uncompressed size as an upper bound.
+        counter.bytes += buffer.numel() * (wire_bytes or buffer.element_size())
+        return hook(state, bucket)
 
-    fp32 gradients travel as 4 bytes per element; the fp16/bf16 hooks halve that. PowerSGD
-    sends low-rank factors whose size depends on the bucket layout, so it reports the fp32
-    upper bound.
-    """
-    if env.world_size == 1:
-        return 0
-    per_element = 2 if cfg.comm_hook in (CommHook.fp16_compress, CommHook.bf16_compress) else 4
-    return per_element * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return counted
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -48,12 +48,14 @@ class Window:
     target_tokens: float = 0.0
     micro_steps: list[int] = field(default_factory=list)
     skipped: int = 0
+    steps: int = 0
 
     def add(self, result: StepResult, first_micro_step: int) -> None:
         self.loss_sum += float(result.loss_sum)
         self.target_tokens += float(result.target_tokens)
         self.micro_steps += range(first_micro_step, first_micro_step + result.micro_steps)
         self.skipped += int(result.skipped)
+        self.steps += 1
 
 
 class Trainer:
@@ -73,7 +75,8 @@ class Trainer:
         self.sampler = DistributedBatchSampler(self.data.train["length"], self._batching_spec(), env.rank)
         self.loader = self._build_loader()
         self.loss_module: CausalLMLoss = build_model(cfg.model, cfg.trainer.seed, env.device)
-        self.model: nn.Module = parallel.wrap_model(self.loss_module, cfg.parallel, env)
+        self.comm = parallel.CommCounter()
+        self.model: nn.Module = parallel.wrap_model(self.loss_module, cfg.parallel, env, self.comm)
         if cfg.trainer.compile:
             self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(cfg.optim, self.loss_module)
@@ -182,6 +185,8 @@ class Trainer:
                 micro_loss, _ = self.model(**batch)
             self.scaler.scale(micro_loss * scale).backward()
             loss_sum += micro_loss.detach().float()
+        if self.step == 0:
+            self.check_every_trainable_param_has_a_gradient()
         grad_norm = self._clip_gradients()
         scale_before = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
@@ -208,6 +213,25 @@ class Trainer:
 
     # ------------------------------------------------------------------ checks
 
+    def check_every_trainable_param_has_a_gradient(self) -> None:
+        """Before the first optimizer step: name trainable parameters that got no gradient on any rank.
+
+        Under DDP such a parameter stalls its gradient bucket and the next step fails with
+        "Expected to have finished reduction in the prior iteration"; say which ones and why.
+        """
+        missing = sorted(n for n, p in self.loss_module.named_parameters() if p.requires_grad and p.grad is None)
+        per_rank = parallel.all_gather_object(missing)
+        unused = sorted(set().union(*per_rank))
+        if not unused:
+            return
+        names = ", ".join(unused[:10]) + (f" and {len(unused) - 10} more" if len(unused) > 10 else "")
+        if self.env.world_size > 1 and not self.cfg.parallel.find_unused_parameters:
+            raise RuntimeError(
+                f"{len(unused)} trainable parameters received no gradient in step 1: {names}. Freeze them "
+                "(e.g. narrow model.lora_target_modules), or set parallel.find_unused_parameters=true."
+            )
+        log.warning("%d trainable parameters received no gradient in step 1: %s", len(unused), names)
+
     def preflight(self) -> None:
         """After step 1: replicas identical on every rank (catches a loss computed outside DDP)."""
         checksums = parallel.all_gather_object(parallel.trainable_checksum(self.loss_module))
@@ -224,6 +248,7 @@ class Trainer:
         totals = parallel.all_reduce_sum(torch.tensor([window.loss_sum, window.target_tokens], dtype=torch.float64))
         seconds = watch.lap()
         real, padded, imbalance, peak = self._batch_stats(window.micro_steps)
+        calls, syncs, sent = self.comm.take()
         record = {
             "step": self.step,
             "epoch": epoch,
@@ -237,6 +262,10 @@ class Trainer:
             "rank_imbalance": imbalance,
             "peak_rank_tokens": peak,
             "skipped_steps": window.skipped,
+            # Per optimizer step and rank, as DDP's communication hook saw them.
+            "allreduce_syncs_per_step": syncs / window.steps,
+            "allreduce_calls_per_step": calls / window.steps,
+            "allreduce_bytes_per_step": sent / window.steps,
             "elapsed_s": watch.elapsed(),
         }
         self.metrics.log(record)

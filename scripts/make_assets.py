@@ -42,7 +42,9 @@ def make_tokenizer(qwen2_dir: Path, out_dir: Path) -> None:
     source = AutoTokenizer.from_pretrained(str(qwen2_dir))
     vocab = json.loads((qwen2_dir / "vocab.json").read_text())
     by_id = {i: tok for tok, i in vocab.items()}
-    merges = [line for line in (qwen2_dir / "merges.txt").read_text().splitlines() if line and not line.startswith("#version")]
+    merges = [
+        line for line in (qwen2_dir / "merges.txt").read_text().splitlines() if line and not line.startswith("#version")
+    ]
     tiny_vocab = {by_id[i]: i for i in range(N_BYTES + TINY_MERGES)}
     for i, merge in enumerate(merges[:TINY_MERGES]):
         assert "".join(merge.split(" ")) == by_id[N_BYTES + i], f"merge {i} does not produce token {N_BYTES + i}"
@@ -51,8 +53,15 @@ def make_tokenizer(qwen2_dir: Path, out_dir: Path) -> None:
     spec["model"]["merges"] = [m.split(" ") for m in merges[:TINY_MERGES]]
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     spec["added_tokens"] = [
-        {"id": len(tiny_vocab) + k, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
+        {
+            "id": len(tiny_vocab) + k,
+            "content": tok,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for k, tok in enumerate(special)
     ]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -84,31 +93,46 @@ def make_example(rng: random.Random) -> dict[str, str]:
     task = rng.randrange(8)
     if task == 0:
         words = _words(rng, n)
-        return {"instruction": "Reverse the order of these words.", "input": " ".join(words),
-                "output": " ".join(reversed(words))}
+        return {
+            "instruction": "Reverse the order of these words.",
+            "input": " ".join(words),
+            "output": " ".join(reversed(words)),
+        }
     if task == 1:
         nums = _numbers(rng, n)
-        return {"instruction": "Sort these numbers from smallest to largest.", "input": ", ".join(map(str, nums)),
-                "output": ", ".join(map(str, sorted(nums)))}
+        return {
+            "instruction": "Sort these numbers from smallest to largest.",
+            "input": ", ".join(map(str, nums)),
+            "output": ", ".join(map(str, sorted(nums))),
+        }
     if task == 2:
         a, b = rng.randint(0, 9999), rng.randint(0, 9999)
         return {"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": f"{a} + {b} = {a + b}"}
     if task == 3:
         words = _words(rng, n)
-        return {"instruction": "Write the sentence in capital letters.", "input": " ".join(words),
-                "output": " ".join(words).upper()}
+        return {
+            "instruction": "Write the sentence in capital letters.",
+            "input": " ".join(words),
+            "output": " ".join(words).upper(),
+        }
     if task == 4:
         words = _words(rng, n)
-        return {"instruction": "How many words are in the text?", "input": " ".join(words),
-                "output": f"The text has {len(words)} words."}
+        return {
+            "instruction": "How many words are in the text?",
+            "input": " ".join(words),
+            "output": f"The text has {len(words)} words.",
+        }
     if task == 5:
         word = rng.choice(WORDS)
         k = min(n, 30)
         return {"instruction": f"Repeat the word '{word}' {k} times.", "input": "", "output": " ".join([word] * k)}
     if task == 6:
         k = min(n, 40)
-        return {"instruction": f"List the first {k} even numbers.", "input": "",
-                "output": ", ".join(str(2 * i) for i in range(k))}
+        return {
+            "instruction": f"List the first {k} even numbers.",
+            "input": "",
+            "output": ", ".join(str(2 * i) for i in range(k)),
+        }
     word = rng.choice(WORDS)
     return {"instruction": f"Spell the word '{word}' letter by letter.", "input": "", "output": "-".join(word)}
 

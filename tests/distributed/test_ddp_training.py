@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from ddptrain.launch import launch
 from tests.conftest import ALPACA, compose_config, requires_shared
-from tests.dist.workers import train_and_record
+from tests.distributed.workers import train_and_record
 
 pytestmark = [pytest.mark.dist, requires_shared]
 

@@ -70,3 +70,61 @@ def train_and_record(cfg: RunConfig, run_dir: str, store_port: int) -> None:
             torch.save({"input_ids": ids, "logits": logits}, Path(run_dir) / "probe.pt")
     finally:
         parallel.teardown()
+
+
+def train_fixed_layout(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """Train 3 optimizer steps on fixed global batches of 8 samples, split as layout.json says
+    (ranks x micro-steps), through the real Trainer.train_step; rank 0 saves the trainable params."""
+    from ddptrain.data import Collator, RowsDataset
+
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    try:
+        setup_logging(env.rank, None)
+        accum = json.loads((Path(run_dir) / "layout.json").read_text())["accum"]
+        trainer = Trainer(cfg, env, Path(run_dir))
+        rows = RowsDataset(trainer.data.train)
+        collate = Collator(trainer.tokenizer.pad_token_id)
+        per_micro = 8 // (env.world_size * accum)
+        trainable = {n: p for n, p in trainer.loss_module.named_parameters() if p.requires_grad}
+        grads: list[dict[str, torch.Tensor]] = []
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_: grads.append({n: p.grad.detach().clone() for n, p in trainable.items()})
+        )
+        for step in range(3):
+            global_batch = list(range(step * 8, step * 8 + 8))
+            mine = global_batch[env.rank * accum * per_micro : (env.rank + 1) * accum * per_micro]
+            micro = [collate([rows[(i,)] for i in mine[j : j + per_micro]]) for j in range(0, len(mine), per_micro)]
+            trainer.train_step(micro)
+            trainer.step += 1
+        if env.is_rank_zero:
+            params = {n: p.detach().clone() for n, p in trainable.items()}
+            torch.save({"params": params, "grads": grads}, Path(run_dir) / "params.pt")
+    finally:
+        parallel.teardown()
+
+
+def train_with_unused_parameter(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """The real Trainer on a model carrying one trainable parameter the loss never uses
+    (as a user's custom model might): the pre-flight must name it."""
+    from torch import nn
+
+    from ddptrain import trainer as trainer_module
+
+    real_build_model = trainer_module.build_model
+
+    def build_with_unused(*args, **kwargs):
+        module = real_build_model(*args, **kwargs)
+        module.register_parameter("unused_scale", nn.Parameter(torch.ones(4)))
+        return module
+
+    trainer_module.build_model = build_with_unused
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    try:
+        setup_logging(env.rank, None)
+        try:
+            Trainer(cfg, env, Path(run_dir)).fit()
+        except RuntimeError as err:
+            (Path(run_dir) / f"error{env.rank}.txt").write_text(str(err))
+            raise
+    finally:
+        parallel.teardown()
