@@ -25,10 +25,30 @@ def _under_torchrun() -> bool:
     return all(v in os.environ for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
 
 
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def _quiet_hydra_on_other_ranks() -> None:
-    """Under torchrun, only rank 0 may create Hydra's run folder; the others write nothing."""
-    if _under_torchrun() and os.environ["RANK"] != "0":
+    """Under torchrun, only rank 0's first attempt creates Hydra's run folder; nobody else writes one."""
+    if _under_torchrun() and (os.environ["RANK"] != "0" or _restart_count() > 0):
         sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=."]
+
+
+def _torchrun_run_dir(hydra_dir: Path, output_dir: str) -> Path:
+    """Rank 0's run directory under torchrun, kept across ``--max-restarts`` restarts.
+
+    A restarted group must find its own checkpoints (trainer.resume=auto), but Hydra would
+    pick a new timestamped folder; the first attempt leaves its folder's name in
+    ``<output_dir>/.torchrun/<rendezvous id>`` for the restarts to read.
+    """
+    marker = Path(output_dir) / ".torchrun" / os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if _restart_count() > 0 and marker.is_file():
+        return Path(marker.read_text().strip())
+    if os.environ["RANK"] == "0":
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{hydra_dir}\n")
+    return hydra_dir
 
 
 def _reject_multirun_under_torchrun() -> None:
@@ -51,7 +71,7 @@ def hydra_main(dict_cfg: DictConfig) -> float | None:
         _check_torchrun_size(cfg.parallel.nproc_per_node)
         from ddptrain.launch import worker
 
-        result = worker(cfg, str(run_dir), None)
+        result = worker(cfg, str(_torchrun_run_dir(run_dir, cfg.trainer.output_dir)), None)
     elif (cfg.parallel.nproc_per_node or 1) == 1:
         from ddptrain.launch import worker
 

@@ -1,17 +1,37 @@
-"""Saving: global rank 0 writes, atomically; the other ranks hold a writer that does nothing.
+"""Checkpoints: written by global rank 0 atomically, found and verified on resume, loaded safely.
 
-A save goes to ``<target>.tmp-<pid>``, is flushed, then renamed into place, so a crash
-mid-save never leaves a half-written folder under the final name. State dicts come from
-the unwrapped model (no DDP ``module.`` prefix); the callers put a barrier after saving.
+A checkpoint is a folder ``<run>/checkpoints/step-00000020/`` holding
+
+- ``weights/``: the trainable weights as ``save_pretrained`` writes them (a peft adapter in
+  safetensors, or the full model for a full fine-tune), from the unwrapped model;
+- ``trainer_state.pt``: optimizer, LR schedule, GradScaler, step, data position, the partial
+  logging window and the RNG states of every rank (plain tensors and numbers: it loads with
+  ``torch.load(weights_only=True)``);
+- ``manifest.json``, written last: step, epoch, data position, world size, the settings that
+  fix the data order, and every file with its size and SHA-256.
+
+The folder is written under a temporary name, flushed, and renamed into place; a folder
+without a complete, matching manifest is never loaded. ``latest`` names the newest one, and
+only the last ``trainer.keep_last_n`` are kept. Ranks other than 0 hold a writer that does
+nothing; the trainer puts a barrier after every save.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import random
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import torch
+from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -19,6 +39,19 @@ from ddptrain.config import ModelConfig, ModelInit
 from ddptrain.model import point_adapter_at_base, save_random_base
 
 log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+STATE = "trainer_state.pt"
+WEIGHTS = "weights"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+KNOWN_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit this run."""
+
+
+# ----------------------------------------------------------------------------- writing
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -28,16 +61,19 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def atomic_save_dir(target: Path, write) -> None:
-    """Call ``write(tmp_dir)``, fsync, then rename tmp_dir to ``target`` (replacing an older one)."""
-    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+def atomic_save_dir(target: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp_dir)``, fsync, then rename tmp_dir to ``target`` (replacing an older one).
+
+    If ``write`` raises, the temporary folder is removed and ``target`` is untouched.
+    """
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         write(tmp)
         _fsync_tree(tmp)
         if target.exists():
-            old = target.with_name(f"{target.name}.old-{os.getpid()}")
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
             target.rename(old)
             tmp.rename(target)
             shutil.rmtree(old)
@@ -48,37 +84,79 @@ def atomic_save_dir(target: Path, write) -> None:
         raise
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: Path, meta: dict[str, Any]) -> None:
+    files = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+    (folder / MANIFEST).write_text(json.dumps({**meta, "files": files}, indent=2) + "\n")
+
+
 class CheckpointWriter:
-    """Writes adapters (and, for random-init bases, the base) from global rank 0."""
+    """Writes checkpoints and the final adapter; used on global rank 0 only."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, keep_last_n: int):
         self.run_dir = run_dir
+        self.folder = run_dir / "checkpoints"
+        self.keep_last_n = keep_last_n
 
-    def save_adapter(self, model: nn.Module, target: Path) -> None:
-        """peft ``save_pretrained`` (safetensors) of the trainable weights, or the full model."""
-        atomic_save_dir(target, lambda tmp: model.save_pretrained(tmp, safe_serialization=True))
-        log.info("saved %s", target)
+    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Write ``checkpoints/step-N`` (weights, trainer state, manifest last), point ``latest`` at it, prune.
+
+        Raises:
+            Exception: whatever the write raised; the previous checkpoints are untouched.
+        """
+        target = self.folder / f"step-{meta['step']:08d}"
+
+        def write(tmp: Path) -> None:
+            model.save_pretrained(tmp / WEIGHTS, safe_serialization=True)
+            torch.save(state, tmp / STATE)
+            _write_manifest(tmp, meta)
+
+        atomic_save_dir(target, write)
+        latest_tmp = self.folder / ".latest.tmp"
+        latest_tmp.write_text(target.name + "\n")
+        latest_tmp.replace(self.folder / "latest")
+        self._prune()
+        log.info("saved checkpoint %s", target)
+        return target
+
+    def _prune(self) -> None:
+        complete = sorted(p for p in self.folder.iterdir() if STEP_DIR.match(p.name))
+        for old in complete[: max(0, len(complete) - self.keep_last_n)]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def save_final(
         self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, model_cfg: ModelConfig, seed: int
     ) -> None:
         """``<run>/adapter`` with the tokenizer; a random-init base goes to ``<run>/base`` so the adapter loads."""
-        target = self.run_dir / "adapter"
+        random_lora = model_cfg.init == ModelInit.random and model_cfg.lora
+        if random_lora:
+            atomic_save_dir(self.run_dir / "base", lambda tmp: save_random_base(model_cfg, seed, tokenizer, tmp))
 
         def write(tmp: Path) -> None:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            if model_cfg.init == ModelInit.random and model_cfg.lora:
+            if random_lora:
                 point_adapter_at_base(tmp, str(self.run_dir / "base"))
 
-        if model_cfg.init == ModelInit.random and model_cfg.lora:
-            atomic_save_dir(self.run_dir / "base", lambda tmp: save_random_base(model_cfg, seed, tokenizer, tmp))
-        atomic_save_dir(target, write)
-        log.info("saved the final weights to %s", target)
+        atomic_save_dir(self.run_dir / "adapter", write)
+        log.info("saved the final weights to %s", self.run_dir / "adapter")
 
 
 class NullCheckpointWriter:
-    def save_adapter(self, model: nn.Module, target: Path) -> None:
+    """What ranks other than 0 hold: every method does nothing."""
+
+    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> None:
         pass
 
     def save_final(
@@ -87,5 +165,168 @@ class NullCheckpointWriter:
         pass
 
 
-def build_writer(is_rank_zero: bool, run_dir: Path) -> CheckpointWriter | NullCheckpointWriter:
-    return CheckpointWriter(run_dir) if is_rank_zero else NullCheckpointWriter()
+def build_writer(is_rank_zero: bool, run_dir: Path, keep_last_n: int) -> CheckpointWriter | NullCheckpointWriter:
+    return CheckpointWriter(run_dir, keep_last_n) if is_rank_zero else NullCheckpointWriter()
+
+
+# ----------------------------------------------------------------------------- finding and verifying
+
+
+def verify(folder: Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint.
+
+    Raises:
+        CheckpointError: no manifest, or a listed file missing or changed.
+    """
+    manifest_file = folder / MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(f"{folder} has no {MANIFEST}: it is incomplete (interrupted save?) or not a checkpoint.")
+    manifest = json.loads(manifest_file.read_text())
+    for name, info in manifest["files"].items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != info["bytes"] or _sha256(path) != info["sha256"]:
+            raise CheckpointError(
+                f"{folder}: {name} is missing or differs from the manifest; the checkpoint is corrupt."
+            )
+    return manifest
+
+
+def newest_complete(checkpoints: Path) -> Path | None:
+    """The newest checkpoint under ``checkpoints`` whose manifest verifies (older ones are tried in turn)."""
+    if not checkpoints.is_dir():
+        return None
+    candidates = sorted((p for p in checkpoints.iterdir() if STEP_DIR.match(p.name)), reverse=True)
+    for folder in candidates:
+        try:
+            verify(folder)
+            return folder
+        except CheckpointError as err:
+            log.warning("skipping %s", err)
+    return None
+
+
+def find_checkpoint(resume: str, run_dir: Path) -> Path | None:
+    """Resolve ``trainer.resume``: ``none``, ``auto`` (newest in this run, if any) or a path.
+
+    A path may name a checkpoint folder or a run directory (its newest checkpoint is used).
+
+    Raises:
+        CheckpointError: a path that holds no usable checkpoint.
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return newest_complete(run_dir / "checkpoints")
+    path = Path(resume).expanduser()
+    if (path / MANIFEST).is_file():
+        verify(path)
+        return path
+    found = newest_complete(path / "checkpoints") or newest_complete(path)
+    if found is None:
+        raise CheckpointError(
+            f"trainer.resume={resume}: no complete checkpoint there. Point it at a checkpoints/step-N folder or a "
+            "run directory, or use trainer.resume=auto|none."
+        )
+    return found
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def strip_known_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes other tools leave in keys."""
+    clean = {}
+    for key, value in state_dict.items():
+        while key.startswith(KNOWN_PREFIXES):
+            key = key.split(".", 1)[1]
+        clean[key] = value
+    return clean
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in the folder's safetensors files (never unpickles anything).
+
+    Raises:
+        CheckpointError: no safetensors file in the folder.
+    """
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} holds no .safetensors weights.")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return strip_known_prefixes(weights)
+
+
+def load_trainable_weights(model: nn.Module, folder: Path) -> None:
+    """Load saved trainable weights into ``model`` (a peft model, or a plain model for a full fine-tune).
+
+    Raises:
+        CheckpointError: naming missing and unexpected keys when the weights do not fit the model.
+    """
+    weights = read_weights(folder)
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, weights)
+        expected = {n for n, p in model.named_parameters() if p.requires_grad}
+        missing = sorted(expected & set(result.missing_keys))
+        unexpected = sorted(result.unexpected_keys)
+    else:
+        result = model.load_state_dict(weights, strict=False)
+        missing, unexpected = sorted(result.missing_keys), sorted(result.unexpected_keys)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{folder} does not fit this model: missing {_few(missing)}; unexpected {_few(unexpected)}. "
+            "Was it saved with another model.* or LoRA setting?"
+        )
+
+
+def _few(keys: list[str]) -> str:
+    if not keys:
+        return "none"
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
+def load_state(folder: Path) -> dict[str, Any]:
+    """The trainer state (optimizer, schedule, scaler, position, RNG), loaded with ``weights_only=True``."""
+    return torch.load(folder / STATE, map_location="cpu", weights_only=True)
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> dict[str, Any]:
+    """This process's RNG states as tensors and plain numbers (safe for ``weights_only`` loading)."""
+    numpy_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": int(numpy_state["state"]["pos"]),
+            "has_gauss": int(numpy_state["has_gauss"]),
+            "gauss": float(numpy_state["gauss"]),
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what ``capture_rng`` saved (dropout masks then continue exactly)."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": "MT19937",
+            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+            "has_gauss": n["has_gauss"],
+            "gauss": n["gauss"],
+        }
+    )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -204,6 +204,10 @@ class TrainerConfig:
     """0 = evaluate only at the end (when there is an eval split)."""
     save_every_n_steps: int = 0
     """0 = save only at the end."""
+    keep_last_n: int = 3
+    """Checkpoints kept under <run>/checkpoints (older ones are deleted)."""
+    resume: str = "auto"
+    """auto: continue from this run directory's newest checkpoint, if any; none; or a checkpoint/run folder."""
     save_final: bool = True
     """Write <run>/adapter (and <run>/base for a random-init model) when training ends."""
     output_dir: str = "outputs"
@@ -336,7 +340,11 @@ def _check_optim(o: OptimConfig) -> list[str]:
 
 def _check_trainer(t: TrainerConfig) -> list[str]:
     problems = _positive({"trainer.max_steps": t.max_steps, "trainer.epochs": t.epochs})
-    problems += _positive({"trainer.log_every_n_steps": t.log_every_n_steps})
+    problems += _positive({"trainer.log_every_n_steps": t.log_every_n_steps, "trainer.keep_last_n": t.keep_last_n})
+    if t.resume not in ("auto", "none") and not os.path.exists(os.path.expanduser(t.resume)):
+        problems.append(
+            f"trainer.resume={t.resume}: no such folder. Use auto, none, or a run / checkpoints/step-N folder."
+        )
     for key in ("eval_every_n_steps", "save_every_n_steps"):
         if getattr(t, key) < 0:
             problems.append(f"trainer.{key}={getattr(t, key)} must be 0 (only at the end) or more.")

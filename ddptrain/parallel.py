@@ -26,6 +26,8 @@ from ddptrain.config import Backend, CommHook, Device, ParallelConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Where collective tensors must live: NCCL reduces CUDA tensors only, gloo CPU ones.
+_collective_device = torch.device("cpu")
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
@@ -87,6 +89,8 @@ def init_distributed(cfg: ParallelConfig, device: Device, store_port: int | None
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    global _collective_device
+    _collective_device = torch_device if backend == "nccl" else torch.device("cpu")
     return DistEnv(rank, local_rank, world_size, local_world_size, torch_device, backend)
 
 
@@ -229,16 +233,10 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks (returns a new tensor; the input is untouched)."""
-    out = values.detach().clone()
+    """Sum a tensor over ranks; returns a new tensor on the input's device (the input is untouched)."""
+    out = values.detach().to(_collective_device, copy=True)
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
-
-
-def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
-    out = values.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out
+    return out.to(values.device)
 
 
 def all_gather_object(obj: T) -> list[T]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,11 @@ class Trainer:
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.trainer.precision == DType.fp16)
         self.step = 0
+        self.window = Window()
+        self.stopping = False
         self.metrics = build_metrics_logger(env.is_rank_zero, run_dir)
-        self.writer = checkpoint.build_writer(env.is_rank_zero, run_dir)
+        self.writer = checkpoint.build_writer(env.is_rank_zero, run_dir, cfg.trainer.keep_last_n)
+        self.maybe_resume()
 
     # ------------------------------------------------------------------ setup
 
@@ -128,6 +132,10 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way.
 
+        The data position lives in the sampler, so a resumed run continues mid-epoch exactly
+        where the checkpoint left off. SIGTERM (pre-emption) saves a checkpoint at the next
+        step boundary and returns.
+
         Returns:
             The last logged metrics record (identical on every rank).
         """
@@ -142,43 +150,50 @@ class Trainer:
             len(self.sampler),
         )
         bar = build_progress_bar(self.cfg.trainer.progress_bar, self.env.is_rank_zero, self.total_steps, self.step)
-        watch, window, last = Stopwatch(), Window(), {}
-        epoch = self.sampler.epoch
-        while self.step < self.total_steps:
-            self.sampler.set_epoch(epoch)
-            for micro_batches in chunked(self.loader, self.cfg.optim.grad_accum_steps):
-                result = self.train_step(micro_batches)
-                window.add(result, self.sampler.position)
-                self.sampler.skip(result.micro_steps)
-                self.step += 1
-                bar.advance()
-                if self.step == 1:
-                    self.preflight()
-                if self.step % self.cfg.trainer.log_every_n_steps == 0 or self.step == self.total_steps:
-                    last = self.log_window(window, watch, epoch, result.grad_norm)
-                    bar.update(last)
-                    window = Window()
-                self.maybe_evaluate()
-                self.maybe_save()
-                if self.step >= self.total_steps:
-                    break
-            epoch += 1
+        watch, last = Stopwatch(), {}
+        with stop_on_sigterm() as stop:
+            while self.step < self.total_steps and not self.stopping:
+                for micro_batches in chunked(self.loader, self.cfg.optim.grad_accum_steps):
+                    result = self.train_step(micro_batches, stop_requested=stop.requested)
+                    self.window.add(result, self.sampler.position)
+                    self.sampler.skip(result.micro_steps)
+                    self.step += 1
+                    bar.advance()
+                    if self.step == 1:
+                        self.preflight()
+                    if self.step % self.cfg.trainer.log_every_n_steps == 0 or self.step == self.total_steps:
+                        last = self.log_window(watch, result.grad_norm)
+                        bar.update(last)
+                    self.maybe_evaluate()
+                    self.maybe_save()
+                    if self.step >= self.total_steps or self.stopping:
+                        break
+                else:
+                    self.sampler.set_epoch(self.sampler.epoch + 1)
         bar.close()
-        self.finish()
+        if self.stopping:
+            self.save_checkpoint()
+            log.warning("stopped by SIGTERM at step %d; resume with trainer.resume=%s", self.step, self.run_dir)
+        else:
+            self.finish()
         return last
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepResult:
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], stop_requested: bool = False) -> StepResult:
         """One optimizer step over this rank's micro-batches.
 
         The step's gradient is d/dθ [Σ token losses over the global batch] / N, where N is
         the number of target tokens in the global batch (all ranks, all micro-steps). Each
         rank back-propagates its loss sum × world_size / N; DDP then averages over ranks
         (÷ world_size), which leaves exactly Σ/N whatever the split into ranks and micro-steps.
+        The same all-reduce carries the SIGTERM flag, so every rank learns of a pre-emption
+        at the same step at no extra cost.
         """
         batches = [self._to_device(b) for b in micro_batches]
         local_tokens = sum((b["labels"][:, 1:] != -100).sum() for b in batches)
-        n_tokens = parallel.all_reduce_sum(local_tokens.to(self.env.device)).clamp(min=1)
-        scale = self.env.world_size / n_tokens.float()
+        local = torch.stack([local_tokens.double().cpu(), torch.tensor(float(stop_requested), dtype=torch.float64)])
+        n_tokens, stops = parallel.all_reduce_sum(local)
+        self.stopping = self.stopping or bool(stops > 0)
+        scale = self.env.world_size / n_tokens.clamp(min=1).to(self.env.device, torch.float32)
         loss_sum = torch.zeros((), device=self.env.device)
         for i, batch in enumerate(batches):
             with parallel.grad_sync(self.model, enabled=i == len(batches) - 1), self._autocast():
@@ -243,8 +258,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging, eval, save
 
-    def log_window(self, window: Window, watch: Stopwatch, epoch: int, grad_norm: float) -> dict[str, Any]:
-        """Reduce the window's loss over ranks and write one metrics record (all ranks return it)."""
+    def log_window(self, watch: Stopwatch, grad_norm: float) -> dict[str, Any]:
+        """Reduce the window's loss over ranks, write one metrics record (all ranks return it), start a new window."""
+        window, self.window = self.window, Window()
+        epoch = self.sampler.epoch
         totals = parallel.all_reduce_sum(torch.tensor([window.loss_sum, window.target_tokens], dtype=torch.float64))
         seconds = watch.lap()
         real, padded, imbalance, peak = self._batch_stats(window.micro_steps)
@@ -318,14 +335,94 @@ class Trainer:
     def maybe_save(self) -> None:
         every = self.cfg.trainer.save_every_n_steps
         if every and self.step % every == 0 and self.step < self.total_steps:
-            self.writer.save_adapter(self.loss_module.model, self.run_dir / "checkpoints" / f"step-{self.step:06d}")
-            parallel.barrier()
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> None:
+        """Every rank contributes its RNG state; rank 0 writes; everyone waits at the barrier.
+
+        Raises:
+            RuntimeError: the write failed (the previous checkpoint is intact and named).
+        """
+        rng = parallel.all_gather_object(checkpoint.capture_rng())
+        state = {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "window": asdict(self.window),
+            "rng": rng,
+        }
+        meta = {
+            "step": self.step,
+            **self.sampler.state_dict(),
+            "world_size": self.env.world_size,
+            "data_order": self._data_order(),
+        }
+        try:
+            self.writer.save(self.loss_module.model, state, meta)
+        except Exception as err:
+            previous = checkpoint.newest_complete(self.run_dir / "checkpoints")
+            raise RuntimeError(
+                f"saving the checkpoint of step {self.step} failed: {type(err).__name__}: {err}. "
+                f"The previous checkpoint is intact: {previous or 'none yet'}."
+            ) from err
+        parallel.barrier()
+
+    def _data_order(self) -> dict[str, Any]:
+        """The settings that fix which samples each step sees: a resumed run must share them."""
+        d = self.cfg.data
+        return {
+            "world_size": self.env.world_size,
+            "seed": self.cfg.trainer.seed,
+            "grad_accum_steps": self.cfg.optim.grad_accum_steps,
+            "path": d.path,
+            "max_rows": d.max_rows,
+            "eval_fraction": d.eval_fraction,
+            "max_length": d.max_length,
+            "batching": d.batching.value,
+            "micro_batch_size": d.micro_batch_size,
+            "max_tokens_per_batch": d.max_tokens_per_batch,
+            "pad_to_multiple_of": d.pad_to_multiple_of,
+            "dataset_rows": len(self.data.train),
+        }
+
+    def maybe_resume(self) -> None:
+        """Continue from trainer.resume (auto: the newest checkpoint of this run directory, if any).
+
+        Raises:
+            CheckpointError: the checkpoint does not fit this run (world size, data order, model).
+        """
+        folder = checkpoint.find_checkpoint(self.cfg.trainer.resume, self.run_dir)
+        if folder is None:
+            return
+        manifest = checkpoint.verify(folder)
+        saved, now = manifest["data_order"], self._data_order()
+        changed = sorted(k for k in now if saved.get(k) != now[k])
+        if changed:
+            details = ", ".join(f"{k}: {saved.get(k)} -> {now[k]}" for k in changed)
+            raise checkpoint.CheckpointError(
+                f"{folder} was saved with a different data order ({details}); resuming would silently train on "
+                "other samples. Resume with the same settings (and the same number of processes), or use "
+                "trainer.resume=none to start over."
+            )
+        checkpoint.load_trainable_weights(self.loss_module.model, folder / checkpoint.WEIGHTS)
+        state = checkpoint.load_state(folder)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.window = Window(**state["window"])
+        self.step = state["step"]
+        checkpoint.restore_rng(state["rng"][self.env.rank])
+        log.info("resumed from %s at step %d (epoch %d)", folder, self.step, self.sampler.epoch)
 
     def finish(self) -> None:
         """Final evaluation, then rank 0 saves the adapter (and a random base) while the others wait."""
         if self.data.eval is not None:
             self.evaluate()
         if self.cfg.trainer.save_final:
+            self.save_checkpoint()
             self.writer.save_final(self.loss_module.model, self.tokenizer, self.cfg.model, self.cfg.trainer.seed)
         parallel.barrier()
         self.metrics.close()
@@ -341,3 +438,25 @@ def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
             chunk = []
     if chunk:
         yield chunk
+
+
+class StopRequest:
+    """Set by the SIGTERM handler; read by the loop at the next step boundary."""
+
+    requested: bool = False
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[StopRequest]:
+    """Turn SIGTERM (pre-emption, torchrun shutting down) into a request to checkpoint and stop."""
+    stop = StopRequest()
+
+    def request(signum: int, frame: Any) -> None:
+        stop.requested = True
+        log.warning("SIGTERM: saving a checkpoint at the end of this step, then stopping")
+
+    previous = signal.signal(signal.SIGTERM, request)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGTERM, previous)

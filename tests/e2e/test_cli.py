@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ddptrain.config import RunConfig
 from ddptrain.data import Collator, RowsDataset, build_datasets
+from ddptrain.export import load_run_config
 from ddptrain.model import CausalLMLoss
 from tests.conftest import ALPACA, REPO, read_metrics, requires_shared, run_ddptrain, run_dirs
 
@@ -42,17 +41,9 @@ def alpaca_args(output_dir: Path, cache: Path, steps: int = 20) -> list[str]:
     ]
 
 
-def load_saved_run_config(run_dir: Path) -> RunConfig:
-    from ddptrain.config import register_configs
-
-    register_configs()
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(run_dir / "config.yaml"))
-    return OmegaConf.to_object(merged)
-
-
 def eval_loss_from_saved_adapter(run_dir: Path) -> float:
     """Rebuild the eval split from the saved config and score it with plain transformers + peft."""
-    cfg = load_saved_run_config(run_dir)
+    cfg = load_run_config(run_dir)
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "adapter")
     eval_set = build_datasets(cfg.data, tokenizer, cfg.trainer.seed).eval
     base = AutoModelForCausalLM.from_pretrained(run_dir / "base")

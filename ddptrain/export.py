@@ -1,0 +1,98 @@
+"""Turn a run or a checkpoint into folders that plain transformers / peft load.
+
+    python -m ddptrain.export outputs/<run> exported/adapter            # peft adapter + tokenizer
+    python -m ddptrain.export outputs/<run>/checkpoints/step-00000500 exported/merged --merge
+
+Without ``--merge``: an adapter folder for ``PeftModel.from_pretrained(base, folder)``.
+With ``--merge``: the LoRA weights folded into the base model, saved as a full model that
+``AutoModelForCausalLM.from_pretrained(folder)`` loads alone (inference servers), plus the
+tokenizer. The base model comes from the run's config (``model.name_or_path``), or from the
+run's ``base/`` folder for a randomly initialised model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ddptrain import checkpoint
+from ddptrain.config import ModelInit, RunConfig, register_configs
+from ddptrain.model import TORCH_DTYPES, build_tokenizer, point_adapter_at_base
+
+
+def locate(source: Path) -> tuple[Path, Path]:
+    """(run directory, folder with the trainable weights) for a run or a ``checkpoints/step-N`` folder.
+
+    Raises:
+        checkpoint.CheckpointError: nothing exportable there.
+    """
+    if (source / checkpoint.MANIFEST).is_file():
+        checkpoint.verify(source)
+        return source.parent.parent, source / checkpoint.WEIGHTS
+    if (source / "adapter").is_dir():
+        return source, source / "adapter"
+    newest = checkpoint.newest_complete(source / "checkpoints")
+    if newest is None:
+        raise checkpoint.CheckpointError(f"{source}: neither a run directory with adapter/ nor a checkpoint.")
+    return source, newest / checkpoint.WEIGHTS
+
+
+def load_run_config(run_dir: Path) -> RunConfig:
+    """The resolved config a run saved in ``config.yaml``, typed."""
+    register_configs()
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(run_dir / "config.yaml"))
+    return OmegaConf.to_object(merged)
+
+
+def base_model_path(cfg: RunConfig, run_dir: Path) -> str:
+    if cfg.model.init == ModelInit.random:
+        return str(run_dir / "base")
+    return cfg.model.name_or_path
+
+
+def export(source: Path, out: Path, merge: bool) -> Path:
+    """Write the export to ``out`` (replacing it atomically) and return ``out``."""
+    run_dir, weights = locate(source)
+    cfg = load_run_config(run_dir)
+    tokenizer = build_tokenizer(cfg.model)
+    base = base_model_path(cfg, run_dir)
+
+    def write(tmp: Path) -> None:
+        if merge and cfg.model.lora:
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM
+
+            base_model = AutoModelForCausalLM.from_pretrained(base, dtype=TORCH_DTYPES[cfg.model.dtype])
+            merged = PeftModel.from_pretrained(base_model, weights).merge_and_unload()
+            merged.save_pretrained(tmp, safe_serialization=True)
+        else:
+            for file in weights.iterdir():
+                shutil.copy2(file, tmp / file.name)
+            if cfg.model.lora:
+                point_adapter_at_base(tmp, base)
+        tokenizer.save_pretrained(tmp)
+
+    checkpoint.atomic_save_dir(out, write)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ddptrain.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", type=Path, help="a run directory or a checkpoints/step-N folder")
+    parser.add_argument("out", type=Path, help="folder to write (replaced if it exists)")
+    parser.add_argument("--merge", action="store_true", help="fold LoRA into the base: a full transformers model")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.source, args.out, args.merge)
+    except (checkpoint.CheckpointError, FileNotFoundError) as err:
+        sys.exit(f"ddptrain.export: {err}")
+    kind = "merged model" if args.merge else "adapter"
+    print(f"ddptrain.export: wrote the {kind} to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Checkpoints on 2 gloo ranks: resume equals uninterrupted bit for bit, a killed worker restarts and
+catches up, and only rank 0 writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from ddptrain.launch import launch
+from tests.conftest import REPO, compose_config, read_metrics, run_ddptrain, run_dirs
+from tests.distributed.workers import train_and_audit_writes
+
+pytestmark = pytest.mark.dist
+
+COMMON = [
+    "data.max_rows=240",
+    "data.eval_fraction=0",
+    "data.micro_batch_size=8",
+    "trainer.progress_bar=false",
+    "trainer.log_every_n_steps=1",
+    "parallel.timeout_s=60",
+]
+STEPS_PER_EPOCH = 240 // 16  # 2 ranks x 8 rows, length_grouped drops nothing at 240 rows
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert (a[key] == b[key]).all(), f"{key} differs"
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+@pytest.mark.parametrize("batching", ["length_grouped", "token_budget", "packed"])
+def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path, batching) -> None:
+    """Checkpoints of an uninterrupted run (one per step) are resumed from a mid-epoch step and from the
+    last step of epoch 1; both resumed runs end bit-identical to it, with the same logged losses."""
+    args = [
+        *COMMON,
+        f"data.batching={batching}",
+        "data.max_tokens_per_batch=1024",
+        f"trainer.max_steps={STEPS_PER_EPOCH + 6}",
+    ]
+    full_run = run_ddptrain(
+        [*args, "trainer.save_every_n_steps=1", "trainer.keep_last_n=100", f"trainer.output_dir={tmp_path}/full"]
+    )
+    assert full_run.returncode == 0, full_run.stderr[-3000:]
+    (full,) = run_dirs(tmp_path / "full")
+    reference, ref_losses = final_weights(full), train_losses(full)
+    manifests = {
+        p: json.loads((p / "manifest.json").read_text())
+        for p in sorted((full / "checkpoints").iterdir())
+        if p.name.startswith("step-")
+    }
+    first_epoch = [p for p, m in manifests.items() if m["epoch"] == 0]
+    assert len(first_epoch) >= 4 and len(first_epoch) < len(manifests), "the run must cross an epoch boundary"
+    for resume_from in (first_epoch[len(first_epoch) // 2], first_epoch[-1]):
+        out = tmp_path / f"resumed-{resume_from.name}"
+        resumed = run_ddptrain([*args, f"trainer.resume={resume_from}", f"trainer.output_dir={out}"])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        (run,) = run_dirs(out)
+        assert_bit_identical(final_weights(run), reference)
+        losses = train_losses(run)
+        assert min(losses) == manifests[resume_from]["step"] + 1
+        assert all(losses[s] == ref_losses[s] for s in losses), "metrics after resuming differ"
+
+
+def _worker_pids(launcher_pid: int) -> list[int]:
+    children = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in children if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")]
+
+
+def test_killed_worker_restarts_and_ends_with_the_same_parameters(tmp_path) -> None:
+    args = [*COMMON, "data.max_rows=1200", "trainer.max_steps=60", "trainer.save_every_n_steps=5"]
+    reference = run_ddptrain([*args, f"trainer.output_dir={tmp_path}/ref"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    command = [sys.executable, "-m", "ddptrain", *args, "parallel.max_restarts=1", f"trainer.output_dir={tmp_path}/run"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        killed = False
+        deadline = time.monotonic() + 120
+        while not killed and time.monotonic() < deadline and proc.poll() is None:
+            dirs = run_dirs(tmp_path / "run") if (tmp_path / "run").exists() else []
+            if dirs and (dirs[0] / "metrics.jsonl").exists():
+                steps = [r["step"] for r in read_metrics(dirs[0]) if "loss" in r]
+                if steps and steps[-1] >= 12:
+                    os.kill(_worker_pids(proc.pid)[-1], signal.SIGKILL)
+                    killed = True
+            time.sleep(0.02)
+        output = proc.communicate(timeout=240)[0]
+    finally:
+        proc.kill()
+    assert killed, "the run ended before a worker could be killed"
+    assert proc.returncode == 0, output[-3000:]
+    (run,) = run_dirs(tmp_path / "run")
+    (ref,) = run_dirs(tmp_path / "ref")
+    assert_bit_identical(final_weights(run), final_weights(ref))
+    logged = [r["step"] for r in read_metrics(run) if "loss" in r]
+    repeated = len(logged) - len(set(logged))
+    assert 0 < repeated <= 5, f"{repeated} steps were trained twice (save_every_n_steps=5)"
+    assert "resumed from" in (run / "train.log").read_text()
+
+
+def test_only_rank_zero_writes_in_the_run_directory(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = compose_config(
+        [
+            "parallel=ddp2",
+            *COMMON,
+            "trainer.max_steps=4",
+            "trainer.save_every_n_steps=2",
+            f"trainer.output_dir={tmp_path}",
+        ]
+    )
+    launch(cfg, run_dir, entrypoint=train_and_audit_writes)
+    rank0 = json.loads((run_dir / "writes-rank0.json").read_text())
+    rank1 = json.loads((run_dir / "writes-rank1.json").read_text())
+    assert any("checkpoints" in w for w in rank0) and any("adapter" in w for w in rank0)
+    assert rank1 == [], rank1
+    assert (run_dir / "checkpoints" / "step-00000002" / "manifest.json").is_file()

@@ -1,0 +1,161 @@
+"""Checkpoint files: atomic writes that survive a failed save, safe loading, prefixes, export."""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from ddptrain import checkpoint, export, parallel
+from ddptrain.config import to_yaml
+from ddptrain.model import build_model, build_tokenizer
+from ddptrain.trainer import Trainer
+from tests.conftest import compose_config
+
+TINY = ["parallel=single", "data.max_rows=64", "data.eval_fraction=0", "trainer.progress_bar=false"]
+
+
+@pytest.fixture
+def lora_model():
+    torch.manual_seed(0)
+    module = build_model(compose_config([]).model, seed=0, device=torch.device("cpu"))
+    for name, p in module.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_()  # trained-looking adapter: lora_B is zero at init
+    return module.model
+
+
+class Payload:
+    """An arbitrary object: unpickling it could run code, so a checkpoint must refuse it."""
+
+
+def save(writer: checkpoint.CheckpointWriter, model, step: int) -> Path:
+    return writer.save(model, {"step": step}, {"step": step, "epoch": 0, "position": step})
+
+
+def test_failed_save_leaves_the_previous_checkpoint_loadable(tmp_path, lora_model, monkeypatch) -> None:
+    writer = checkpoint.CheckpointWriter(tmp_path, keep_last_n=3)
+    good = save(writer, lora_model, 1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        save(writer, lora_model, 2)
+    assert checkpoint.newest_complete(tmp_path / "checkpoints") == good
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == good.name
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", good.name]
+    checkpoint.load_trainable_weights(lora_model, good / checkpoint.WEIGHTS)
+
+
+def test_trainer_reports_a_failed_save_naming_the_intact_checkpoint(tmp_path, monkeypatch) -> None:
+    cfg = compose_config([*TINY, "trainer.max_steps=4", "trainer.save_every_n_steps=2"])
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
+    try:
+        trainer = Trainer(cfg, env, tmp_path)
+        real_save = checkpoint.torch.save
+
+        def fail_second_save(obj, path, *args, **kwargs):
+            if "step-00000004" in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_save(obj, path, *args, **kwargs)
+
+        monkeypatch.setattr(checkpoint.torch, "save", fail_second_save)
+        with pytest.raises(RuntimeError, match=r"checkpoint of step 4 failed.*intact: .*step-00000002"):
+            trainer.fit()
+    finally:
+        parallel.teardown()
+
+
+def test_incomplete_or_corrupt_checkpoints_are_never_loaded(tmp_path, lora_model) -> None:
+    writer = checkpoint.CheckpointWriter(tmp_path, keep_last_n=5)
+    first, second = save(writer, lora_model, 1), save(writer, lora_model, 2)
+    (second / checkpoint.STATE).write_bytes(b"truncated")
+    with pytest.raises(checkpoint.CheckpointError, match="differs from the manifest"):
+        checkpoint.verify(second)
+    assert checkpoint.newest_complete(tmp_path / "checkpoints") == first
+    (first / checkpoint.MANIFEST).unlink()
+    assert checkpoint.newest_complete(tmp_path / "checkpoints") is None
+    with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint"):
+        checkpoint.find_checkpoint(str(tmp_path), tmp_path)
+
+
+def test_only_the_last_n_checkpoints_are_kept(tmp_path, lora_model) -> None:
+    writer = checkpoint.CheckpointWriter(tmp_path, keep_last_n=2)
+    for step in (1, 2, 3):
+        save(writer, lora_model, step)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step-00000002", "step-00000003"]
+
+
+def test_state_loads_without_unpickling_objects(tmp_path) -> None:
+    torch.save({"rng": checkpoint.capture_rng(), "step": 3}, tmp_path / checkpoint.STATE)
+    state = checkpoint.load_state(tmp_path)
+    checkpoint.restore_rng(state["rng"])
+    first = torch.rand(3)
+    checkpoint.restore_rng(state["rng"])
+    assert torch.equal(first, torch.rand(3))
+
+    torch.save({"evil": Payload()}, tmp_path / checkpoint.STATE)
+    with pytest.raises(Exception, match=r"[Ww]eights only"):
+        checkpoint.load_state(tmp_path)
+
+
+def test_weights_saved_with_a_module_prefix_load(tmp_path, lora_model) -> None:
+    lora_model.save_pretrained(tmp_path / "clean")
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "clean" / "adapter_model.safetensors"))
+    (tmp_path / "ddp").mkdir()
+    save_file(
+        {f"module._orig_mod.{k}": v for k, v in weights.items()}, str(tmp_path / "ddp" / "adapter_model.safetensors")
+    )
+    fresh = build_model(compose_config([]).model, seed=0, device=torch.device("cpu")).model
+    checkpoint.load_trainable_weights(fresh, tmp_path / "ddp")
+    loaded = {k: v for k, v in fresh.state_dict().items() if "lora_" in k}
+    expected = {k: v for k, v in lora_model.state_dict().items() if "lora_" in k}
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in loaded)
+
+
+def test_mismatched_weights_name_the_missing_and_unexpected_keys(tmp_path, lora_model) -> None:
+    lora_model.save_pretrained(tmp_path / "clean")
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "clean" / "adapter_model.safetensors"))
+    dropped = sorted(weights)[0]
+    weights.pop(dropped)
+    weights["base_model.model.not_a_layer.lora_A.weight"] = torch.zeros(1)
+    (tmp_path / "bad").mkdir()
+    save_file(weights, str(tmp_path / "bad" / "adapter_model.safetensors"))
+    with pytest.raises(checkpoint.CheckpointError, match=r"missing .*lora.*unexpected .*not_a_layer"):
+        checkpoint.load_trainable_weights(lora_model, tmp_path / "bad")
+
+
+def test_merged_export_gives_the_adapter_models_logits(tmp_path, lora_model) -> None:
+    cfg = compose_config([])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    tokenizer = build_tokenizer(cfg.model)
+    checkpoint.CheckpointWriter(run_dir, keep_last_n=1).save_final(lora_model, tokenizer, cfg.model, seed=0)
+    export.main([str(run_dir), str(tmp_path / "merged"), "--merge"])
+    export.main([str(run_dir), str(tmp_path / "adapter")])
+
+    ids = tokenizer("### Instruction:\nSort 3, 1, 2.\n\n### Response:\n", return_tensors="pt").input_ids
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any("lora" in k for k in merged.state_dict())
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(adapter_config["base_model_name_or_path"])
+    adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        expected = lora_model.eval()(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(adapted(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
