@@ -80,18 +80,35 @@ def init_distributed(cfg: ParallelConfig, device: Device, store_port: int | None
     torch_device = _pick_device(device, local_rank)
     backend = _pick_backend(cfg.backend, torch_device)
     timeout = timedelta(seconds=cfg.timeout_s)
-    if store_port is not None:
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
-        # A restarted group must not read the keys of the attempt before it.
-        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    elif world_size > 1:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    if world_size == 1 and store_port is None:
+        store: dist.Store = dist.HashStore()
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        store = _rendezvous_store(rank, store_port, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     global _collective_device
     _collective_device = torch_device if backend == "nccl" else torch.device("cpu")
     return DistEnv(rank, local_rank, world_size, local_world_size, torch_device, backend)
+
+
+def _rendezvous_store(rank: int, store_port: int | None, timeout: timedelta) -> dist.Store:
+    """The store the group forms over, namespaced by restart attempt.
+
+    Self-launch: the launcher's store on 127.0.0.1. torchrun: MASTER_ADDR:MASTER_PORT, which the
+    elastic agent hosts and keeps across ``--max-restarts``; without the per-attempt prefix a
+    restarted group reads the dead group's addresses and gloo fails with "Connection refused".
+    """
+    if store_port is not None:
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+    else:
+        agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=rank == 0 and not agent_hosts_it,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _rank_facts() -> tuple[int, int, int, int]:

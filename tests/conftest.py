@@ -58,4 +58,5 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def run_dirs(output_dir: Path) -> list[Path]:
-    return sorted(p for p in output_dir.iterdir() if p.is_dir())
+    """Run folders (hidden bookkeeping such as .torchrun/ excluded)."""
+    return sorted(p for p in output_dir.iterdir() if p.is_dir() and not p.name.startswith("."))

@@ -80,15 +80,38 @@ def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path,
 
 
 def _worker_pids(launcher_pid: int) -> list[int]:
+    """The training processes the launcher started (not multiprocessing's resource tracker)."""
     children = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in children if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="ignore")]
+    cmdlines = {int(p): Path(f"/proc/{p}/cmdline").read_text(errors="ignore") for p in children}
+    return [p for p, cmd in cmdlines.items() if "spawn_main" in cmd or "ddptrain" in cmd]
 
 
-def test_killed_worker_restarts_and_ends_with_the_same_parameters(tmp_path) -> None:
+TORCHRUN = [
+    str(Path(sys.executable).parent / "torchrun"),
+    "--standalone",
+    "--nproc_per_node",
+    "2",
+    "--max-restarts",
+    "1",
+]
+
+
+@pytest.mark.parametrize("launcher", ["self-launch", "torchrun"])
+def test_killed_worker_restarts_and_ends_with_the_same_parameters(tmp_path, launcher) -> None:
     args = [*COMMON, "data.max_rows=1200", "trainer.max_steps=60", "trainer.save_every_n_steps=5"]
     reference = run_ddptrain([*args, f"trainer.output_dir={tmp_path}/ref"])
     assert reference.returncode == 0, reference.stderr[-3000:]
-    command = [sys.executable, "-m", "ddptrain", *args, "parallel.max_restarts=1", f"trainer.output_dir={tmp_path}/run"]
+    if launcher == "torchrun":
+        command = [*TORCHRUN, "-m", "ddptrain", *args, f"trainer.output_dir={tmp_path}/run"]
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "ddptrain",
+            *args,
+            "parallel.max_restarts=1",
+            f"trainer.output_dir={tmp_path}/run",
+        ]
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         killed = False
