@@ -45,6 +45,12 @@ class DType(str, Enum):
     fp16 = "fp16"
 
 
+class Attention(str, Enum):
+    sdpa = "sdpa"  # torch scaled_dot_product_attention
+    eager = "eager"  # plain matmul + softmax (slow; for checks)
+    flash_attention_2 = "flash_attention_2"  # needs the flash-attn package and a GPU
+
+
 class Template(str, Enum):
     alpaca = "alpaca"  # instruction / input / output rows
     chat = "chat"  # rows with a list of {"role", "content"} messages
@@ -97,8 +103,8 @@ class ModelConfig:
     """Tokenizer folder or hub id; null = model.name_or_path."""
     dtype: DType = DType.fp32
     """Storage dtype of the frozen base weights (LoRA weights always stay fp32)."""
-    attn_implementation: str = "sdpa"
-    """transformers attention kernel: sdpa, eager or flash_attention_2."""
+    attn_implementation: Attention = Attention.sdpa
+    """transformers attention kernel. Each keeps packed samples apart through their position_ids."""
     lora: bool = True
     """Train LoRA adapters; false = full fine-tune of every parameter."""
     lora_rank: int = 16

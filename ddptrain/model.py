@@ -50,10 +50,10 @@ def build_base_model(cfg: ModelConfig, seed: int) -> nn.Module:
         config = AutoConfig.from_pretrained(cfg.config_path or cfg.name_or_path)
         config.use_cache = False
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation.value)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path, dtype=dtype, attn_implementation=cfg.attn_implementation
+            cfg.name_or_path, dtype=dtype, attn_implementation=cfg.attn_implementation.value
         )
         model.config.use_cache = False
     return model

@@ -156,3 +156,34 @@ def test_only_rank_zero_writes_in_the_run_directory(tmp_path) -> None:
     assert any("checkpoints" in w for w in rank0) and any("adapter" in w for w in rank0)
     assert rank1 == [], rank1
     assert (run_dir / "checkpoints" / "step-00000002" / "manifest.json").is_file()
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_cleanly(tmp_path) -> None:
+    args = [*COMMON, "data.max_rows=1200", "trainer.max_steps=60", "trainer.save_every_n_steps=50"]
+    command = [sys.executable, "-m", "ddptrain", *args, f"trainer.output_dir={tmp_path}"]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        sent = False
+        deadline = time.monotonic() + 120
+        while not sent and time.monotonic() < deadline and proc.poll() is None:
+            dirs = run_dirs(tmp_path)
+            if dirs and (dirs[0] / "metrics.jsonl").exists() and len(read_metrics(dirs[0])) >= 8:
+                for pid in _worker_pids(proc.pid):  # a scheduler's pre-emption signals every process
+                    os.kill(pid, signal.SIGTERM)
+                sent = True
+            time.sleep(0.02)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert sent, "the run ended before it could be signalled"
+    assert proc.returncode == 0, output[-3000:]
+    (run,) = run_dirs(tmp_path)
+    last_step = read_metrics(run)[-1]["step"]
+    saved = checkpoint_steps(run)
+    assert saved == [last_step] and 8 <= last_step < 50
+    assert "stopped by SIGTERM" in (run / "train.log").read_text()
+    assert not (run / "adapter").exists(), "a stopped run is not finished: no final adapter"
+
+
+def checkpoint_steps(run: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))

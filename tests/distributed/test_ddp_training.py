@@ -80,3 +80,41 @@ def test_saved_adapter_reproduces_the_trained_logits(tmp_path, datasets_cache) -
     lora_b = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
     assert lora_b and any(v.abs().sum() > 0 for v in lora_b.values()), "the saved adapter is trained"
     assert not any(k.startswith("module.") for k in model.state_dict())
+
+
+@pytest.mark.parametrize("batching", ["random", "length_grouped", "token_budget", "packed"])
+def test_every_batching_mode_trains_on_alpaca_and_logs_balance(tmp_path, datasets_cache, batching) -> None:
+    from tests.conftest import read_metrics
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    budget = 1024
+    cfg = compose_config(
+        [
+            "parallel=ddp2",
+            "parallel.timeout_s=60",
+            "data=alpaca",
+            f"data.path={ALPACA}",
+            "data.max_rows=400",
+            "data.eval_fraction=0",
+            "data.max_length=512",
+            f"data.batching={batching}",
+            f"data.max_tokens_per_batch={budget}",
+            f"data.cache_dir={datasets_cache}",
+            "trainer.max_steps=3",
+            "trainer.log_every_n_steps=1",
+            "trainer.progress_bar=false",
+            "trainer.save_final=false",
+            f"trainer.output_dir={tmp_path}",
+        ]
+    )
+    launch(cfg, run_dir)
+    records = read_metrics(run_dir)
+    assert len(records) == 3
+    for r in records:
+        assert r["loss"] > 0 and r["tokens"] > 0
+        assert 0.0 <= r["padding_fraction"] < 1.0 and r["rank_imbalance"] >= 1.0 and r["peak_rank_tokens"] > 0
+        if batching == "packed":
+            assert r["padding_fraction"] == 0.0
+        if batching in ("token_budget", "packed"):
+            assert r["peak_rank_tokens"] <= budget

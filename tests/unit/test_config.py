@@ -109,3 +109,35 @@ def test_tiny_model_sets_its_own_lr_and_cli_still_wins() -> None:
     assert compose_config([]).optim.lr == pytest.approx(5e-3)
     assert compose_config(["optim.lr=1e-4"]).optim.lr == pytest.approx(1e-4)
     assert compose_config(["model=qwen7b_lora"]).optim.lr == pytest.approx(2e-4)
+
+
+def test_reentrant_checkpointing_with_unused_parameter_search_is_refused() -> None:
+    overrides = [
+        "model.gradient_checkpointing=true",
+        "model.gradient_checkpointing_reentrant=true",
+        "parallel.find_unused_parameters=true",
+    ]
+    with pytest.raises(ConfigError, match="ready only once"):
+        compose_config(overrides)
+    assert compose_config(overrides[:2]).model.gradient_checkpointing_reentrant
+
+
+def test_liger_kernel_on_cpu_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"model\.liger_kernel=true needs a CUDA device"):
+        compose_config(["model.liger_kernel=true", "trainer.device=cpu"])
+
+
+def test_resume_from_a_missing_folder_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.resume=/no/such/run: no such folder"):
+        compose_config(["trainer.resume=/no/such/run"])
+
+
+def test_device_map_under_ddp_is_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match=r"model\.device_map=auto .* full replica"):
+        compose_config(["model.device_map=auto"])
+
+
+def test_unknown_attention_kernel_is_refused() -> None:
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config(["model.attn_implementation=flex_attention"])
+    assert "flex_attention" in str(info.value.__cause__)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddptrain.config import DataConfig, DType, ModelConfig
+from ddptrain.config import Attention, DataConfig, DType, ModelConfig
 from ddptrain.data import Collator, RowEncoder
 from ddptrain.model import IGNORE_INDEX, CausalLMLoss, build_model, build_tokenizer
 from tests.conftest import REPO, compose_config
@@ -133,7 +133,7 @@ def per_sample_losses(model: CausalLMLoss, batch: dict[str, torch.Tensor], spans
     return losses
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", [Attention.sdpa, Attention.eager])
 def test_packed_row_equals_samples_alone_and_padded(tiny, samples, attn):
     model = make_model(replace(tiny, attn_implementation=attn))
     packed = Collator(pad_id=0, packed=True)([samples])
