@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from ddptrain.config import DType, ModelConfig, ModelInit
@@ -95,12 +96,13 @@ class CausalLMLoss(nn.Module):
     trainer can normalise once by the global token count of the optimizer step.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, loss_chunk_tokens: int = 0):
         super().__init__()
         self.model = model  # the peft model (or the plain model for a full fine-tune)
         causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.decoder = causal_lm.get_decoder()
         self.lm_head = causal_lm.get_output_embeddings()
+        self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(
         self,
@@ -114,9 +116,20 @@ class CausalLMLoss(nn.Module):
         ).last_hidden_state
         targets = labels[:, 1:]
         is_target = targets != IGNORE_INDEX
-        logits = self.lm_head(hidden[:, :-1][is_target]).float()
-        loss_sum = F.cross_entropy(logits, targets[is_target], reduction="sum")
+        target_hidden, target_ids = hidden[:, :-1][is_target], targets[is_target]
+        chunk = self.loss_chunk_tokens
+        if chunk <= 0 or len(target_ids) <= chunk:
+            return self._head_loss(target_hidden, target_ids), is_target.sum()
+        # Only one chunk's fp32 logits (chunk x vocab) exist at a time: backward recomputes them.
+        loss_sum = sum(
+            checkpoint(self._head_loss, target_hidden[i : i + chunk], target_ids[i : i + chunk], use_reentrant=False)
+            for i in range(0, len(target_ids), chunk)
+        )
         return loss_sum, is_target.sum()
+
+    def _head_loss(self, hidden: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        return F.cross_entropy(logits, target_ids, reduction="sum")
 
     def full_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits at every position (evaluation, tests, export checks)."""
@@ -161,7 +174,7 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device) -> CausalLMLo
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("model: %s trainable of %s parameters (%.3f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
-    return CausalLMLoss(model).to(device)
+    return CausalLMLoss(model, cfg.loss_chunk_tokens).to(device)
 
 
 def save_random_base(cfg: ModelConfig, seed: int, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:

@@ -89,8 +89,9 @@ def reference_loss_sum(loss_module: CausalLMLoss, batch: dict[str, torch.Tensor]
 # ----------------------------------------------------------------------------- loss
 
 
-def test_target_only_head_matches_full_logits_loss_and_grads(tiny):
-    model = make_model(tiny)
+@pytest.mark.parametrize("chunk", [0, 4], ids=["one-chunk", "chunks-of-4"])
+def test_target_only_head_matches_full_logits_loss_and_grads(tiny, chunk):
+    model = make_model(replace(tiny, loss_chunk_tokens=chunk))
     torch.manual_seed(0)
     rows = []
     for length, n_prompt in ((12, 5), (7, 3), (4, 1)):  # uneven real lengths, so the batch has padding
