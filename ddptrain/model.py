@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from ddptrain.config import DType, ModelConfig, ModelInit
@@ -87,6 +86,44 @@ def apply_gradient_checkpointing(model: nn.Module, reentrant: bool = False) -> N
     model.enable_input_require_grads()
 
 
+class ChunkedHeadLoss(torch.autograd.Function):
+    """Σ cross-entropy(hidden @ weightᵀ, targets), computed ``chunk`` rows at a time.
+
+    For each chunk, forward computes the fp32 logits, the loss, and right away the gradient
+    of the loss sum w.r.t. the logits, (softmax − one-hot), which it turns into the gradients
+    of ``hidden`` and (if trainable) ``weight`` before dropping the logits. Backward only
+    scales those saved gradients. Peak extra memory: one chunk × vocab fp32 tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk):
+                h = hidden[start : start + chunk]
+                t = targets[start : start + chunk]
+                logits = (h @ weight.to(h.dtype).t()).float()
+                log_norm = torch.logsumexp(logits, dim=-1)
+                loss += (log_norm - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                # d(loss sum)/d(logits) = softmax - one_hot, built in place in the logits' buffer
+                probs = logits.sub_(log_norm[:, None]).exp_()
+                probs[torch.arange(len(t), device=t.device), t] -= 1.0
+                grad_hidden[start : start + chunk] = (probs @ weight.float()).to(hidden.dtype)
+                if grad_weight is not None:
+                    grad_weight += probs.t() @ h.float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scaled_weight = None if grad_weight is None else (grad_weight * grad_loss).to(ctx.weight_dtype)
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), scaled_weight, None, None
+
+
 class CausalLMLoss(nn.Module):
     """Model + next-token loss; forward returns the *sum* of token losses and the token count.
 
@@ -117,19 +154,20 @@ class CausalLMLoss(nn.Module):
         targets = labels[:, 1:]
         is_target = targets != IGNORE_INDEX
         target_hidden, target_ids = hidden[:, :-1][is_target], targets[is_target]
-        chunk = self.loss_chunk_tokens
-        if chunk <= 0 or len(target_ids) <= chunk:
-            return self._head_loss(target_hidden, target_ids), is_target.sum()
-        # Only one chunk's fp32 logits (chunk x vocab) exist at a time: backward recomputes them.
-        loss_sum = sum(
-            checkpoint(self._head_loss, target_hidden[i : i + chunk], target_ids[i : i + chunk], use_reentrant=False)
-            for i in range(0, len(target_ids), chunk)
-        )
-        return loss_sum, is_target.sum()
+        return self.head_loss(target_hidden, target_ids), is_target.sum()
 
-    def _head_loss(self, hidden: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        return F.cross_entropy(logits, target_ids, reduction="sum")
+    def head_loss(self, hidden: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        """Sum of cross-entropy losses of the LM head over target positions.
+
+        With model.loss_chunk_tokens > 0 and a plain linear head, the head runs chunk by chunk
+        and each chunk's gradient is formed at once, so the full (targets x vocab) logits never
+        exist: same FLOPs, a fraction of the memory (``ChunkedHeadLoss``).
+        """
+        chunk = self.loss_chunk_tokens
+        plain_head = type(self.lm_head) is nn.Linear and self.lm_head.bias is None
+        if chunk > 0 and plain_head and torch.is_grad_enabled() and hidden.requires_grad:
+            return ChunkedHeadLoss.apply(hidden, self.lm_head.weight, target_ids, chunk)
+        return F.cross_entropy(self.lm_head(hidden).float(), target_ids, reduction="sum")
 
     def full_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits at every position (evaluation, tests, export checks)."""

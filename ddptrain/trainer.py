@@ -34,9 +34,9 @@ log = logging.getLogger(__name__)
 class StepResult:
     """What one optimizer step leaves behind (local to this rank until reduced)."""
 
-    loss_sum: torch.Tensor
-    target_tokens: torch.Tensor
-    grad_norm: float
+    loss_sum: torch.Tensor  # on the device: read only when logging, so steps never wait on the GPU
+    target_tokens: int
+    grad_norm: torch.Tensor
     skipped: bool
     micro_steps: int
 
@@ -45,15 +45,15 @@ class StepResult:
 class Window:
     """Accumulates steps between two log lines."""
 
-    loss_sum: float = 0.0
-    target_tokens: float = 0.0
+    loss_sum: torch.Tensor | float = 0.0
+    target_tokens: int = 0
     micro_steps: list[int] = field(default_factory=list)
     skipped: int = 0
     steps: int = 0
 
     def add(self, result: StepResult, first_micro_step: int) -> None:
-        self.loss_sum += float(result.loss_sum)
-        self.target_tokens += float(result.target_tokens)
+        self.loss_sum = self.loss_sum + result.loss_sum.double()
+        self.target_tokens += result.target_tokens
         self.micro_steps += range(first_micro_step, first_micro_step + result.micro_steps)
         self.skipped += int(result.skipped)
         self.steps += 1
@@ -81,6 +81,7 @@ class Trainer:
         if cfg.trainer.compile:
             self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(cfg.optim, self.loss_module)
+        self.trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.total_steps = self._total_steps()
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.trainer.precision == DType.fp16)
@@ -188,10 +189,12 @@ class Trainer:
         The same all-reduce carries the SIGTERM flag, so every rank learns of a pre-emption
         at the same step at no extra cost.
         """
+        # Counted on the CPU copies: no wait on the device.
+        local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
         batches = [self._to_device(b) for b in micro_batches]
-        local_tokens = sum((b["labels"][:, 1:] != -100).sum() for b in batches)
-        local = torch.stack([local_tokens.double().cpu(), torch.tensor(float(stop_requested), dtype=torch.float64)])
-        n_tokens, stops = parallel.all_reduce_sum(local)
+        n_tokens, stops = parallel.all_reduce_sum(
+            torch.tensor([local_tokens, float(stop_requested)], dtype=torch.float64)
+        )
         self.stopping = self.stopping or bool(stops > 0)
         scale = self.env.world_size / n_tokens.clamp(min=1).to(self.env.device, torch.float32)
         loss_sum = torch.zeros((), device=self.env.device)
@@ -211,11 +214,10 @@ class Trainer:
         skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale_before
         return StepResult(loss_sum, local_tokens, grad_norm, skipped, len(batches))
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self) -> torch.Tensor:
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.optim.max_grad_norm or math.inf
-        params = [p for p in self.loss_module.parameters() if p.requires_grad]
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         precision = self.cfg.trainer.precision
@@ -258,11 +260,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging, eval, save
 
-    def log_window(self, watch: Stopwatch, grad_norm: float) -> dict[str, Any]:
+    def log_window(self, watch: Stopwatch, grad_norm: torch.Tensor) -> dict[str, Any]:
         """Reduce the window's loss over ranks, write one metrics record (all ranks return it), start a new window."""
         window, self.window = self.window, Window()
         epoch = self.sampler.epoch
-        totals = parallel.all_reduce_sum(torch.tensor([window.loss_sum, window.target_tokens], dtype=torch.float64))
+        local = torch.tensor([float(window.loss_sum), window.target_tokens], dtype=torch.float64)
+        totals = parallel.all_reduce_sum(local)
         seconds = watch.lap()
         real, padded, imbalance, peak = self._batch_stats(window.micro_steps)
         calls, syncs, sent = self.comm.take()
@@ -271,7 +274,7 @@ class Trainer:
             "epoch": epoch,
             "loss": float(totals[0] / max(totals[1], 1.0)),
             "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm,
+            "grad_norm": float(grad_norm),
             "tokens": real,
             "target_tokens": int(totals[1]),
             "tokens_per_s": real / max(seconds, 1e-9),

