@@ -114,7 +114,7 @@ class ModelConfig:
     """peft target_modules: 'all-linear' or a comma-separated list of module names."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (non-reentrant, DDP-safe): less memory, ~20-30% slower."""
-    loss_chunk_tokens: int = 2048
+    loss_chunk_tokens: int = 512
     """LM head + loss over this many target tokens at a time, gradients formed chunk by chunk:
     peak logits memory is chunk x vocab x 4 bytes instead of all targets'; 0 = plain autograd."""
     gradient_checkpointing_reentrant: bool = False

@@ -102,17 +102,17 @@ class ChunkedHeadLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, hidden.shape[0], chunk):
-                h = hidden[start : start + chunk]
-                t = targets[start : start + chunk]
-                logits = (h @ weight.to(h.dtype).t()).float()
-                log_norm = torch.logsumexp(logits, dim=-1)
-                loss += (log_norm - logits.gather(1, t[:, None]).squeeze(1)).sum()
-                # d(loss sum)/d(logits) = softmax - one_hot, built in place in the logits' buffer
-                probs = logits.sub_(log_norm[:, None]).exp_()
-                probs[torch.arange(len(t), device=t.device), t] -= 1.0
-                grad_hidden[start : start + chunk] = (probs @ weight.float()).to(hidden.dtype)
+                h, t = hidden[start : start + chunk], targets[start : start + chunk]
+                # One (chunk x vocab) fp32 buffer, transformed in place: logits -> exp -> softmax -> gradient.
+                buffer = (h.to(weight.dtype) @ weight.t()).float()
+                target_logit = buffer.gather(1, t[:, None]).squeeze(1)
+                row_max = buffer.amax(dim=-1, keepdim=True)
+                sum_exp = buffer.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
+                loss += (sum_exp.log() + row_max).squeeze(1).sub_(target_logit).sum()
+                buffer.div_(sum_exp)[torch.arange(len(t), device=t.device), t] -= 1.0  # softmax - one_hot
+                grad_hidden[start : start + chunk] = (buffer.to(weight.dtype) @ weight).to(hidden.dtype)
                 if grad_weight is not None:
-                    grad_weight += probs.t() @ h.float()
+                    grad_weight.addmm_(buffer.t(), h.float())
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss

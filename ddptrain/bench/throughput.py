@@ -118,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=None, help="per-GPU peak for MFU")
     parser.add_argument("--memory", action="store_true", help="gradient-checkpointing memory check instead")
     parser.add_argument("--memory-length", type=int, default=1024, help="--memory: tokens per row")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=512, help="--memory: model.loss_chunk_tokens")
     parser.add_argument("--workdir", type=Path, default=None, help="keep run folders here (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a markdown table")

@@ -102,6 +102,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         lora_alpha=32,
         lora_dropout=0.0,
         gradient_checkpointing=args.checkpointing,
+        loss_chunk_tokens=args.loss_chunk_tokens,
     )
     batch = packed_rows(args, build_tokenizer(cfg))
     module = build_model(cfg, args.seed, torch.device("cpu"))
@@ -136,7 +137,7 @@ def measure(args: argparse.Namespace, model_dir: Path, checkpointing: bool, scop
         sys.executable, "-m", "ddptrain.bench.throughput_memory", "--child",
         "--data", str(args.data), "--tokenizer", str(args.tokenizer), "--model-dir", str(model_dir),
         "--micro-batch-size", str(args.micro_batch_size), "--memory-length", str(args.memory_length),
-        "--scope", scope, "--seed", str(args.seed),
+        "--scope", scope, "--seed", str(args.seed), "--loss-chunk-tokens", str(args.loss_chunk_tokens),
     ] + (["--checkpointing"] if checkpointing else [])  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
@@ -169,7 +170,10 @@ def main(args: argparse.Namespace, repeats: int = 1) -> None:
     if args.json:
         print(json.dumps({"runs": runs}, indent=2))
         return
-    print(f"{args.micro_batch_size} rows x {args.memory_length} tokens, fp32, 1 thread, one forward + backward")
+    print(
+        f"{args.micro_batch_size} rows x {args.memory_length} tokens, fp32, 1 thread, one forward + backward, "
+        f"model.loss_chunk_tokens={args.loss_chunk_tokens}"
+    )
     print("| scope | activation peak, no checkpointing (MB) | with checkpointing (MB) | saved | s (off → on) |")
     print("|---|---|---|---|---|")
     for scope, off, on, saved, t_off, t_on in rows:
@@ -187,6 +191,7 @@ def _child_main() -> None:
     parser.add_argument("--scope", choices=("loss", "decoder"), default="loss")
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--loss-chunk-tokens", type=int, default=512)
     print(json.dumps(child(parser.parse_args())))
 
 
