@@ -40,7 +40,7 @@ bench-samplers: setup
 
 bench-throughput: setup
 	$(BIN)/python -m ddptrain.bench.throughput --data ../shared/data/alpaca/alpaca_data_52k.jsonl \
-		--tokenizer ../shared/data/tokenizers/qwen2
+		--tokenizer ../shared/data/tokenizers/qwen2 --repeats 2
 
 clean:
 	rm -rf outputs multirun .pytest_cache .ruff_cache

@@ -259,7 +259,7 @@ def run_variant(variant: Variant, args, workdir: Path, overrides: list[str], ind
 
 
 def model_flops(real_tokens: int, target_tokens: int) -> float:
-    """Training FLOPs the model needs for these tokens (see bench/throughput.md for the formula).
+    """Training FLOPs the model needs for these tokens (see bench/README.md for the formula).
 
     Per real token: forward 2*N_base + 2*N_lora, backward 2*N_base (activation gradients only: the
     base is frozen) + 4*N_lora (activation and weight gradients). The LM head (vocab x hidden,

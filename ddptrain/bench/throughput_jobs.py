@@ -64,10 +64,10 @@ def _ddptrain(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict) 
     clock = Clock()
 
     class TimedTrainer(Trainer):
-        def train_step(self, micro_batches):
+        def train_step(self, micro_batches, **kwargs):
             if self.step == warmup:
                 clock.start(self.env.device)
-            result = super().train_step(micro_batches)
+            result = super().train_step(micro_batches, **kwargs)
             if self.step >= warmup:
                 for batch in micro_batches:
                     clock.count(batch)
@@ -181,7 +181,7 @@ def _hand_loop(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict)
         collate_fn=Collator(tokenizer.pad_token_id, d.pad_to_multiple_of, packed=d.batching == Batching.packed),
         num_workers=0,
     )
-    loss_module = CausalLMLoss(model)
+    loss_module = CausalLMLoss(model, cfg.model.loss_chunk_tokens)  # the same loss path as ddptrain
     ddp = DDP(loss_module, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     params = [p for p in ddp.parameters() if p.requires_grad]
     o = cfg.optim

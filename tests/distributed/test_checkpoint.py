@@ -86,6 +86,34 @@ def _worker_pids(launcher_pid: int) -> list[int]:
     return [p for p, cmd in cmdlines.items() if "spawn_main" in cmd or "ddptrain" in cmd]
 
 
+def signal_workers_mid_run(
+    command: list[str], output_dir: Path, signum: int, after_step: int, everyone: bool = False
+) -> tuple[bool, int, str]:
+    """Start ``command``; once its metrics reach ``after_step``, send ``signum`` to one worker (or all).
+
+    Returns:
+        (whether the signal was sent, the launcher's exit code, its output).
+    """
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sent = False
+    try:
+        deadline = time.monotonic() + 120
+        while not sent and time.monotonic() < deadline and proc.poll() is None:
+            dirs = run_dirs(output_dir) if output_dir.exists() else []
+            if dirs and (dirs[0] / "metrics.jsonl").exists():
+                steps = [r["step"] for r in read_metrics(dirs[0]) if "loss" in r]
+                if steps and steps[-1] >= after_step:
+                    workers = _worker_pids(proc.pid)
+                    for pid in workers if everyone else workers[-1:]:
+                        os.kill(pid, signum)
+                    sent = True
+            time.sleep(0.02)
+        output = proc.communicate(timeout=240)[0]
+    finally:
+        proc.kill()
+    return sent, proc.returncode, output
+
+
 TORCHRUN = [
     str(Path(sys.executable).parent / "torchrun"),
     "--standalone",
@@ -112,23 +140,9 @@ def test_killed_worker_restarts_and_ends_with_the_same_parameters(tmp_path, laun
             "parallel.max_restarts=1",
             f"trainer.output_dir={tmp_path}/run",
         ]
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        killed = False
-        deadline = time.monotonic() + 120
-        while not killed and time.monotonic() < deadline and proc.poll() is None:
-            dirs = run_dirs(tmp_path / "run") if (tmp_path / "run").exists() else []
-            if dirs and (dirs[0] / "metrics.jsonl").exists():
-                steps = [r["step"] for r in read_metrics(dirs[0]) if "loss" in r]
-                if steps and steps[-1] >= 12:
-                    os.kill(_worker_pids(proc.pid)[-1], signal.SIGKILL)
-                    killed = True
-            time.sleep(0.02)
-        output = proc.communicate(timeout=240)[0]
-    finally:
-        proc.kill()
+    killed, returncode, output = signal_workers_mid_run(command, tmp_path / "run", signal.SIGKILL, after_step=12)
     assert killed, "the run ended before a worker could be killed"
-    assert proc.returncode == 0, output[-3000:]
+    assert returncode == 0, output[-3000:]
     (run,) = run_dirs(tmp_path / "run")
     (ref,) = run_dirs(tmp_path / "ref")
     assert_bit_identical(final_weights(run), final_weights(ref))
@@ -161,22 +175,10 @@ def test_only_rank_zero_writes_in_the_run_directory(tmp_path) -> None:
 def test_sigterm_saves_a_checkpoint_and_stops_cleanly(tmp_path) -> None:
     args = [*COMMON, "data.max_rows=1200", "trainer.max_steps=60", "trainer.save_every_n_steps=50"]
     command = [sys.executable, "-m", "ddptrain", *args, f"trainer.output_dir={tmp_path}"]
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        sent = False
-        deadline = time.monotonic() + 120
-        while not sent and time.monotonic() < deadline and proc.poll() is None:
-            dirs = run_dirs(tmp_path)
-            if dirs and (dirs[0] / "metrics.jsonl").exists() and len(read_metrics(dirs[0])) >= 8:
-                for pid in _worker_pids(proc.pid):  # a scheduler's pre-emption signals every process
-                    os.kill(pid, signal.SIGTERM)
-                sent = True
-            time.sleep(0.02)
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        proc.kill()
+    # A scheduler's pre-emption signals every process of the job.
+    sent, returncode, output = signal_workers_mid_run(command, tmp_path, signal.SIGTERM, after_step=8, everyone=True)
     assert sent, "the run ended before it could be signalled"
-    assert proc.returncode == 0, output[-3000:]
+    assert returncode == 0, output[-3000:]
     (run,) = run_dirs(tmp_path)
     last_step = read_metrics(run)[-1]["step"]
     saved = checkpoint_steps(run)

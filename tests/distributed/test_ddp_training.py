@@ -12,16 +12,15 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from ddptrain.launch import launch
-from tests.conftest import ALPACA, compose_config, requires_shared
+from tests.conftest import ALPACA, compose_config, read_metrics, requires_shared
 from tests.distributed.workers import train_and_record
 
 pytestmark = [pytest.mark.dist, requires_shared]
 
 
-def run_two_ranks(tmp_path: Path, datasets_cache: Path, extra: list[str]) -> tuple[Path, list[dict]]:
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    cfg = compose_config(
+def alpaca_config(tmp_path: Path, datasets_cache: Path, extra: list[str]):
+    """2 gloo ranks on the first 400 Alpaca rows, every step logged."""
+    return compose_config(
         [
             "parallel=ddp2",
             "parallel.timeout_s=60",
@@ -38,7 +37,12 @@ def run_two_ranks(tmp_path: Path, datasets_cache: Path, extra: list[str]) -> tup
             *extra,
         ]
     )
-    launch(cfg, run_dir, entrypoint=train_and_record)
+
+
+def run_two_ranks(tmp_path: Path, datasets_cache: Path, extra: list[str]) -> tuple[Path, list[dict]]:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launch(alpaca_config(tmp_path, datasets_cache, extra), run_dir, entrypoint=train_and_record)
     return run_dir, [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -84,29 +88,19 @@ def test_saved_adapter_reproduces_the_trained_logits(tmp_path, datasets_cache) -
 
 @pytest.mark.parametrize("batching", ["random", "length_grouped", "token_budget", "packed"])
 def test_every_batching_mode_trains_on_alpaca_and_logs_balance(tmp_path, datasets_cache, batching) -> None:
-    from tests.conftest import read_metrics
-
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     budget = 1024
-    cfg = compose_config(
+    cfg = alpaca_config(
+        tmp_path,
+        datasets_cache,
         [
-            "parallel=ddp2",
-            "parallel.timeout_s=60",
-            "data=alpaca",
-            f"data.path={ALPACA}",
-            "data.max_rows=400",
-            "data.eval_fraction=0",
             "data.max_length=512",
             f"data.batching={batching}",
             f"data.max_tokens_per_batch={budget}",
-            f"data.cache_dir={datasets_cache}",
             "trainer.max_steps=3",
-            "trainer.log_every_n_steps=1",
-            "trainer.progress_bar=false",
             "trainer.save_final=false",
-            f"trainer.output_dir={tmp_path}",
-        ]
+        ],
     )
     launch(cfg, run_dir)
     records = read_metrics(run_dir)
