@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from ddptrain import checkpoint
 from ddptrain.config import ModelInit, RunConfig, register_configs
+from ddptrain.metrics import quiet_libraries
 from ddptrain.model import TORCH_DTYPES, build_tokenizer, point_adapter_at_base
 
 
@@ -50,7 +51,7 @@ def load_run_config(run_dir: Path) -> RunConfig:
 
 def base_model_path(cfg: RunConfig, run_dir: Path) -> str:
     if cfg.model.init == ModelInit.random:
-        return str(run_dir / "base")
+        return str((run_dir / "base").resolve())
     return cfg.model.name_or_path
 
 
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", type=Path, help="folder to write (replaced if it exists)")
     parser.add_argument("--merge", action="store_true", help="fold LoRA into the base: a full transformers model")
     args = parser.parse_args(argv)
+    quiet_libraries()
     try:
         out = export(args.source, args.out, args.merge)
     except (checkpoint.CheckpointError, FileNotFoundError) as err:

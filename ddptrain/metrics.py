@@ -43,10 +43,11 @@ def setup_logging(rank: int, run_dir: Path | None) -> None:
         console.addFilter(lambda record: not getattr(record, SAME_ON_ALL_RANKS, False))
         root.setLevel(logging.WARNING)
     root.addHandler(console)
-    _quiet_libraries()
+    quiet_libraries()
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
+    """Silence library progress bars and deprecation chatter that say nothing about the run."""
     # Libraries chatter at INFO (datasets, httpx); keep the run's own log readable.
     import transformers
 
