@@ -57,10 +57,6 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARS)
 
 
-def torchrun_local_world_size() -> int:
-    return int(os.environ["LOCAL_WORLD_SIZE"])
-
-
 def init_distributed(cfg: ParallelConfig, device: Device, store_port: int | None = None) -> DistEnv:
     """Join (or, alone, create) the process group and pin this process to its device.
 
