@@ -157,12 +157,12 @@ class NullCheckpointWriter:
     """What ranks other than 0 hold: every method does nothing."""
 
     def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        pass
+        """Rank 0 writes the checkpoint; this rank waits at the trainer's barrier."""
 
     def save_final(
         self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, model_cfg: ModelConfig, seed: int
     ) -> None:
-        pass
+        """Rank 0 writes the final adapter; this rank waits at the trainer's barrier."""
 
 
 def build_writer(is_rank_zero: bool, run_dir: Path, keep_last_n: int) -> CheckpointWriter | NullCheckpointWriter:

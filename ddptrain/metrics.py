@@ -72,11 +72,13 @@ class MetricsLogger:
 
 
 class NullMetricsLogger:
+    """What ranks other than 0 hold: the same calls, no file."""
+
     def log(self, record: dict[str, Any]) -> None:
-        pass
+        """Nothing to write: rank 0 logs the (already reduced) record."""
 
     def close(self) -> None:
-        pass
+        """No file to close."""
 
 
 def build_metrics_logger(is_rank_zero: bool, run_dir: Path) -> MetricsLogger | NullMetricsLogger:
@@ -100,14 +102,16 @@ class ProgressBar:
 
 
 class NullProgressBar:
+    """What ranks other than 0 (or runs with trainer.progress_bar=false) hold: draws nothing."""
+
     def update(self, record: dict[str, Any]) -> None:
-        pass
+        """No bar to update."""
 
     def advance(self) -> None:
-        pass
+        """No bar to advance."""
 
     def close(self) -> None:
-        pass
+        """No bar to close."""
 
 
 def build_progress_bar(
