@@ -473,6 +473,10 @@ class DistributedBatchSampler:
         """Micro-batches per rank in the whole current epoch (equal on every rank)."""
         return len(self._plan)
 
+    def epoch_length(self, epoch: int) -> int:
+        """Micro-batches per rank in ``epoch`` (token_budget and packed plans vary a little by epoch)."""
+        return len(self._plan) if epoch == self._epoch else len(plan_epoch(self._lengths, self.spec, epoch))
+
     def state_dict(self) -> dict:
         """``{"epoch": int, "position": int}``: enough to resume mid-epoch."""
         return {"epoch": self._epoch, "position": self._position}

@@ -123,10 +123,11 @@ class Trainer:
         )
 
     def _total_steps(self) -> int:
-        steps_per_epoch = math.ceil(len(self.sampler) / self.cfg.optim.grad_accum_steps)
+        """trainer.max_steps, or the optimizer steps of trainer.epochs whole epochs (a short last step each)."""
         if self.cfg.trainer.max_steps is not None:
             return self.cfg.trainer.max_steps
-        return steps_per_epoch * self.cfg.trainer.epochs
+        accum = self.cfg.optim.grad_accum_steps
+        return sum(math.ceil(self.sampler.epoch_length(e) / accum) for e in range(self.cfg.trainer.epochs))
 
     # ------------------------------------------------------------------ loop
 

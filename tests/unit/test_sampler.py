@@ -211,3 +211,13 @@ def test_bad_arguments_are_rejected():
         sampler.load_state_dict({"epoch": 0, "position": 6})
     with pytest.raises(ValueError, match="at least one token"):
         plan_epoch(np.array([3, 0, 2]), BatchingSpec(Batching.random, 1, 1, 0), 0)
+
+
+def test_epoch_length_matches_the_plan_of_that_epoch():
+    lengths = np.random.default_rng(3).integers(5, 300, size=500)
+    spec = BatchingSpec(mode=Batching.token_budget, world_size=2, micro_batch_size=4, max_tokens_per_batch=600)
+    sampler = DistributedBatchSampler(lengths, spec, rank=0)
+    expected = [len(plan_epoch(lengths, spec, e)) for e in range(3)]
+    assert [sampler.epoch_length(e) for e in range(3)] == expected
+    sampler.set_epoch(2)
+    assert len(sampler) == expected[2] == sampler.epoch_length(2)
