@@ -112,3 +112,16 @@ def test_every_batching_mode_trains_on_alpaca_and_logs_balance(tmp_path, dataset
             assert r["padding_fraction"] == 0.0
         if batching in ("token_budget", "packed"):
             assert r["peak_rank_tokens"] <= budget
+
+
+def test_a_single_node_job_listens_on_loopback_only(tmp_path) -> None:
+    from tests.distributed.workers import report_listening_sockets
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = compose_config(["parallel=ddp2", "parallel.timeout_s=60", f"trainer.output_dir={tmp_path}"])
+    launch(cfg, run_dir, entrypoint=report_listening_sockets)
+    for rank in (0, 1):
+        addresses = json.loads((run_dir / f"listening-rank{rank}.json").read_text())
+        assert addresses, "the launcher's store and gloo listen somewhere"
+        assert all(a in ("127.0.0.1", "::1", "::ffff:127.0.0.1") for a in addresses), addresses

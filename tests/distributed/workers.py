@@ -161,3 +161,46 @@ def train_and_audit_writes(cfg: RunConfig, run_dir: str, store_port: int | None)
         (Path(run_dir) / f"writes-rank{env.rank}.json").write_text(json.dumps(found))
     finally:
         parallel.teardown()
+
+
+def report_listening_sockets(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """After the group forms, list the TCP sockets this worker and the launcher (its parent) listen on."""
+    import os
+
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    try:
+        parallel.barrier()
+        listening = _listening_addresses({os.getpid(), os.getppid()})
+        (Path(run_dir) / f"listening-rank{env.rank}.json").write_text(json.dumps(listening))
+        parallel.barrier()
+    finally:
+        parallel.teardown()
+
+
+def _listening_addresses(pids: set[int]) -> list[str]:
+    """Local addresses of LISTEN sockets owned by ``pids`` (from /proc: no extra tools needed)."""
+    import os
+    import socket
+    import struct
+
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(f"/proc/{pid}/fd/{fd}") else ""
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A = LISTEN
+                continue
+            address_hex = local.split(":")[0]
+            raw = bytes.fromhex(address_hex)
+            if family == socket.AF_INET:
+                raw = struct.pack("<I", struct.unpack(">I", raw)[0])
+            else:
+                raw = b"".join(struct.pack("<I", struct.unpack(">I", raw[i : i + 4])[0]) for i in range(0, 16, 4))
+            found.append(socket.inet_ntop(family, raw))
+    return found
