@@ -172,16 +172,25 @@ def build_writer(is_rank_zero: bool, run_dir: Path, keep_last_n: int) -> Checkpo
 # ----------------------------------------------------------------------------- finding and verifying
 
 
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """A checkpoint's manifest, unchecked (for a folder that ``find_checkpoint`` already verified).
+
+    Raises:
+        CheckpointError: no manifest.
+    """
+    manifest_file = folder / MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(f"{folder} has no {MANIFEST}: it is incomplete (interrupted save?) or not a checkpoint.")
+    return json.loads(manifest_file.read_text())
+
+
 def verify(folder: Path) -> dict[str, Any]:
     """The manifest of a complete checkpoint.
 
     Raises:
         CheckpointError: no manifest, or a listed file missing or changed.
     """
-    manifest_file = folder / MANIFEST
-    if not manifest_file.is_file():
-        raise CheckpointError(f"{folder} has no {MANIFEST}: it is incomplete (interrupted save?) or not a checkpoint.")
-    manifest = json.loads(manifest_file.read_text())
+    manifest = read_manifest(folder)
     for name, info in manifest["files"].items():
         path = folder / name
         if not path.is_file() or path.stat().st_size != info["bytes"] or _sha256(path) != info["sha256"]:

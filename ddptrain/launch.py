@@ -155,8 +155,5 @@ def worker(cfg: RunConfig, run_dir: str | None, store_port: int | None) -> dict[
         if env.is_rank_zero:
             print(f"ddptrain: done. Results in {agreed}", file=sys.stderr)
         return result
-    except BaseException:
-        sys.stderr.flush()
-        raise
     finally:
         parallel.teardown()

@@ -400,7 +400,7 @@ class Trainer:
         folder = checkpoint.find_checkpoint(self.cfg.trainer.resume, self.run_dir)
         if folder is None:
             return
-        manifest = checkpoint.verify(folder)
+        manifest = checkpoint.read_manifest(folder)  # find_checkpoint verified every file's hash
         saved, now = manifest["data_order"], self._data_order()
         changed = sorted(k for k in now if saved.get(k) != now[k])
         if changed:
