@@ -2,10 +2,15 @@
 
 Compose the Hydra config -> validate (before any worker starts) -> run in this process
 (torchrun, or one process) or self-launch the workers -> train.
+
+Exit codes: 0 finished (and, under torchrun, stopped by a signal: a non-zero exit would make
+``torchrun --max-restarts`` restart the workers); 75 stopped by SIGTERM or Ctrl-C after saving a
+checkpoint (``signals.STOPPED_EXIT_CODE``); 130 aborted by a second Ctrl-C; 1 failed.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -15,6 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from ddptrain import signals
 from ddptrain.config import ConfigError, register_configs, to_run_config
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -71,7 +77,8 @@ def hydra_main(dict_cfg: DictConfig) -> float | None:
         _check_torchrun_size(cfg.parallel.nproc_per_node)
         from ddptrain.launch import worker
 
-        result = worker(cfg, str(_torchrun_run_dir(run_dir, cfg.trainer.output_dir)), None)
+        run_dir = _torchrun_run_dir(run_dir, cfg.trainer.output_dir)
+        result = worker(cfg, str(run_dir), None)
     elif (cfg.parallel.nproc_per_node or 1) == 1:
         from ddptrain.launch import worker
 
@@ -83,7 +90,23 @@ def hydra_main(dict_cfg: DictConfig) -> float | None:
             result = launch(cfg, run_dir)
         except RuntimeError as err:
             sys.exit(f"ddptrain: {err}")
+        except signals.Aborted:
+            print(signals.stopped_line("aborted by a second Ctrl-C", run_dir, None), file=sys.stderr)
+            sys.exit(signals.ABORTED_EXIT_CODE)
+    _exit_if_stopped(result, run_dir)
     return result.get("loss") if result else None
+
+
+def _exit_if_stopped(result: dict | None, run_dir: Path) -> None:
+    """After SIGTERM or Ctrl-C: one line saying where the checkpoint is, and the exit code for it."""
+    if not result or signals.STOPPED_BY not in result:
+        return
+    line = signals.stopped_line(f"stopped by {result[signals.STOPPED_BY]}", run_dir, result[signals.STOPPED_AT_STEP])
+    if not _under_torchrun():
+        print(line, file=sys.stderr)
+        sys.exit(signals.STOPPED_EXIT_CODE)
+    if os.environ["RANK"] == "0":  # and exit 0: see the module docstring
+        print(line, file=sys.stderr)
 
 
 def _check_torchrun_size(nproc_per_node: int | None) -> None:
@@ -100,7 +123,10 @@ def main() -> None:
     register_configs()
     _reject_multirun_under_torchrun()
     _quiet_hydra_on_other_ranks()
-    hydra_main()
+    try:
+        hydra_main()
+    finally:
+        gc.freeze()  # exiting next: skip the seconds of garbage collection at interpreter shutdown
 
 
 if __name__ == "__main__":

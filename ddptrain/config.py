@@ -6,7 +6,9 @@ config, before any worker starts. Checks that relate several fields live in
 ``validate``; it reports every problem at once, naming keys as the user types them.
 
 This module imports neither torch nor transformers: config errors must surface in
-well under a second.
+well under a second. The one exception is parallel.comm_hook=bf16_compress with
+parallel.backend=auto and trainer.device=auto, where only torch can say whether the
+workers will get CUDA (and so NCCL); torch is imported lazily for that case alone.
 """
 
 from __future__ import annotations
@@ -247,7 +249,7 @@ def validate(cfg: RunConfig) -> None:
     problems = (
         _check_model(cfg.model, cfg.parallel, cfg.trainer)
         + _check_data(cfg.data)
-        + _check_parallel(cfg.parallel)
+        + _check_parallel(cfg.parallel, cfg.trainer)
         + _check_optim(cfg.optim)
         + _check_trainer(cfg.trainer)
     )
@@ -320,12 +322,19 @@ def _check_data(d: DataConfig) -> list[str]:
     return problems
 
 
-def _check_parallel(p: ParallelConfig) -> list[str]:
+def _check_parallel(p: ParallelConfig, t: TrainerConfig) -> list[str]:
     problems = _positive({"parallel.nproc_per_node": p.nproc_per_node, "parallel.timeout_s": p.timeout_s})
-    if p.comm_hook == CommHook.bf16_compress and p.backend == Backend.gloo:
+    # Only bf16_compress needs the backend that parallel.backend=auto will pick (and so, maybe, torch).
+    if p.comm_hook == CommHook.bf16_compress and _resolved_backend(p.backend, t.device) == Backend.gloo:
+        if p.backend == Backend.gloo:
+            why = "parallel.backend=gloo"
+        elif t.device == Device.cpu:
+            why = "parallel.backend=auto means gloo with trainer.device=cpu"
+        else:
+            why = "parallel.backend=auto means gloo here (trainer.device=auto and no CUDA device is visible)"
         problems.append(
-            "parallel.comm_hook=bf16_compress needs NCCL (PyTorch's hook refuses gloo): "
-            "use parallel.comm_hook=fp16_compress on CPU, or parallel.backend=nccl on GPUs."
+            f"parallel.comm_hook=bf16_compress needs NCCL (PyTorch's hook refuses gloo), but {why}: "
+            "use parallel.comm_hook=fp16_compress (or none) on CPU, or train on GPUs with parallel.backend=nccl."
         )
     if p.max_restarts < 0:
         problems.append(f"parallel.max_restarts={p.max_restarts} must be 0 or more.")
@@ -360,6 +369,21 @@ def _check_trainer(t: TrainerConfig) -> list[str]:
         if getattr(t, key) < 0:
             problems.append(f"trainer.{key}={getattr(t, key)} must be 0 (only at the end) or more.")
     return problems
+
+
+def _resolved_backend(backend: Backend, device: Device) -> Backend:
+    """What parallel.backend=auto becomes in the workers (ddptrain.parallel picks the same way)."""
+    if backend != Backend.auto:
+        return backend
+    on_cuda = device == Device.cuda or (device == Device.auto and _cuda_available())
+    return Backend.nccl if on_cuda else Backend.gloo
+
+
+def _cuda_available() -> bool:
+    # Imported here, and only for the checks that need it: torch takes seconds to import.
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _looks_local(path: str) -> bool:

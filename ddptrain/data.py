@@ -250,6 +250,16 @@ def _report(cfg: DataConfig, stats: dict[str, int], n_train: int, eval_set: data
 # ----------------------------------------------------------------------------- collate
 
 
+def batch_token_counts(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """``(real, padded)`` tokens of a collated micro-batch, counted on its tensors.
+
+    Padded rows carry an attention mask (1 = real token); a packed row has none and no padding.
+    """
+    padded = batch["input_ids"].numel()
+    mask = batch.get("attention_mask")
+    return (int(mask.sum()) if mask is not None else padded), padded
+
+
 class RowsDataset(torch.utils.data.Dataset):
     """Indexable by a row: a tuple of sample indices (several when packed)."""
 

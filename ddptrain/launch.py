@@ -5,11 +5,15 @@ to a free port on 127.0.0.1 (race-free: the socket stays bound from the moment t
 is chosen), runs the elastic rendezvous over a file store (so nothing else listens), and
 starts ``nproc_per_node`` copies of ``worker``. Under torchrun, ``worker`` runs directly
 on every rank.
+
+Stopping by signal (``ddptrain/signals.py``): the launcher passes SIGTERM and Ctrl-C on to its
+workers and keeps collecting their results; each worker saves a checkpoint and returns.
 """
 
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import shutil
@@ -24,6 +28,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddptrain import signals
 from ddptrain.config import RunConfig, to_yaml
 
 log = logging.getLogger(__name__)
@@ -74,10 +79,12 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
         entrypoint: a module-level function (spawned processes import it); default ``worker``.
 
     Returns:
-        Rank 0's return value.
+        Rank 0's return value. After SIGTERM or Ctrl-C it holds ``signals.STOPPED_BY`` (and
+        ``signals.STOPPED_AT_STEP``, None when the workers were stopped before their first step).
 
     Raises:
         RuntimeError: MASTER_PORT busy, or a worker failed (after parallel.max_restarts restarts).
+        signals.Aborted: a second Ctrl-C; the workers were killed.
     """
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -109,23 +116,45 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(rdzv_dir / "logs")),  # removed with rdzv_dir
+        **_leave_stop_signals_to_us(LaunchConfig),
     )
     log.info("starting %d workers (store on 127.0.0.1:%d), run directory %s", nproc, port, run_dir)
     try:
-        results = elastic_launch(config, entrypoint or worker)(cfg, str(run_dir), port)
-    except ChildFailedError as exc:
-        raise RuntimeError(_failure_summary(exc)) from None
+        with signals.forward_to_workers() as stop:
+            try:
+                results = elastic_launch(config, entrypoint or worker)(cfg, str(run_dir), port)
+            except ChildFailedError as exc:
+                if _killed_by(exc, stop.signal):  # during start-up, before the workers handle signals
+                    return {signals.STOPPED_BY: stop.signal.name, signals.STOPPED_AT_STEP: None}
+                raise RuntimeError(_failure_summary(exc)) from None
     finally:
         shutil.rmtree(rdzv_dir, ignore_errors=True)
         sock.close()
     return results[0]
 
 
+def _leave_stop_signals_to_us(launch_config: type) -> dict[str, str]:
+    """Keep elastic's agent off SIGTERM and SIGINT: signals.forward_to_workers handles them.
+
+    The agent would raise SignalException, stop collecting the workers' results and SIGKILL them
+    30 s later. Torch releases before ``LaunchConfig.signals_to_handle`` always take them over.
+    """
+    if "signals_to_handle" not in getattr(launch_config, "__dataclass_fields__", {}):
+        return {}
+    return {"signals_to_handle": "SIGHUP,SIGQUIT"}
+
+
+def _killed_by(exc: Any, signum: int | None) -> bool:
+    """Whether every failed worker died of the signal the launcher forwarded."""
+    return signum is not None and all(f.exitcode == -signum for f in exc.failures.values())
+
+
 def _failure_summary(exc: Any) -> str:
     lines = ["training failed:"]
     for rank, failure in sorted(exc.failures.items()):
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        lines.append(f"  rank {rank} (exit code {failure.exitcode}): {str(message).strip().splitlines()[-1:] or ''}")
+        last_line = (str(message).strip().splitlines() or [""])[-1]
+        lines.append(f"  rank {rank} (exit code {failure.exitcode}): {last_line}")
     lines.append("  The traceback of each failed rank is printed above.")
     return "\n".join(lines)
 
@@ -152,8 +181,11 @@ def worker(cfg: RunConfig, run_dir: str | None, store_port: int | None) -> dict[
             (agreed / "config.yaml").write_text(to_yaml(cfg))
         log.info("rank %d of %d on %s (%s)", env.rank, env.world_size, env.device, env.backend)
         result = Trainer(cfg, env, agreed).fit()
-        if env.is_rank_zero:
+        if env.is_rank_zero and signals.STOPPED_BY not in result:
             print(f"ddptrain: done. Results in {agreed}", file=sys.stderr)
         return result
     finally:
         parallel.teardown()
+        # The process exits next: skip the garbage collections of interpreter shutdown, seconds
+        # with torch and transformers loaded (measured 2.9 s -> 0.4 s), which delay a stop by signal.
+        gc.freeze()

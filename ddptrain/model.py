@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -73,16 +74,31 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
         target_modules=targets,
         task_type="CAUSAL_LM",
     )
-    # autocast_adapter_dtype keeps LoRA weights in fp32 over a bf16/fp16 base: the GradScaler
-    # cannot unscale fp16 gradients ("Attempting to unscale FP16 gradients").
-    return get_peft_model(model, lora, autocast_adapter_dtype=True)
+    with warnings.catch_warnings():
+        # PeftModel.__init__ (peft 0.21) reads the base model's `is_gradient_checkpointing`, which
+        # transformers 5.x deprecates for `is_activation_checkpointing`: peft's access, not ours to change.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        # autocast_adapter_dtype keeps LoRA weights in fp32 over a bf16/fp16 base: the GradScaler
+        # cannot unscale fp16 gradients ("Attempting to unscale FP16 gradients").
+        return get_peft_model(model, lora, autocast_adapter_dtype=True)
 
 
 def apply_gradient_checkpointing(model: nn.Module, reentrant: bool = False) -> None:
-    """Checkpoint every decoder layer; non-reentrant by default (DDP-safe: no "marked ready twice")."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    """Checkpoint every decoder layer; non-reentrant by default (DDP-safe: no "marked ready twice").
+
+    Args:
+        model: a transformers causal LM, or the peft model around one (peft forwards the calls).
+        reentrant: use torch's older reentrant checkpointing instead.
+    """
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        # transformers 5.x: gradient_checkpointing_enable is a deprecated alias (FutureWarning, gone in v6).
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers 4.x
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     # With a frozen embedding nothing upstream of the first checkpointed block needs grad;
     # make its output require grad so that LoRA weights inside checkpointed blocks train.
+    # (transformers 5.x's activation_checkpointing_enable does this too; 4.x only for its own peft integration.)
     model.enable_input_require_grads()
 
 
@@ -200,11 +216,53 @@ def apply_liger_kernel(cfg: ModelConfig, device: torch.device) -> None:
     )
 
 
-def build_model(cfg: ModelConfig, seed: int, device: torch.device) -> CausalLMLoss:
-    """Base model -> LoRA (or full fine-tune) -> gradient checkpointing -> loss module, on ``device``."""
+def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, model: nn.Module, cfg: ModelConfig) -> None:
+    """Every token id the data can hold (tokenizer ids, pad and EOS) has a row in the model's input embedding.
+
+    Without this check a mismatched pair fails deep inside the first forward pass with
+    "IndexError: index out of range in self" (CUDA: a device-side assert).
+
+    Raises:
+        ValueError: the tokenizer's ids reach past the embedding, naming both keys, both sizes and the fix.
+    """
+    rows = model.get_input_embeddings().num_embeddings
+    special = {"pad": tokenizer.pad_token_id, "EOS": tokenizer.eos_token_id}
+    needed = max([len(tokenizer)] + [i + 1 for i in special.values() if i is not None])
+    if needed <= rows:
+        return
+    # The message stays on one line: the self-launcher reports the last line of each rank's error.
+    ids = ", ".join(f"{name} id {i:,}" for name, i in special.items() if i is not None)
+    source_key, source = "model.name_or_path", cfg.name_or_path
+    if cfg.init == ModelInit.random and cfg.config_path is not None:
+        source_key, source = "model.config_path", cfg.config_path
+    tokenizer_setting = f"model.tokenizer={cfg.tokenizer or 'null (the tokenizer of model.name_or_path)'}"
+    raise ValueError(
+        f"{tokenizer_setting} has {len(tokenizer):,} tokens ({ids}) but {source_key}={source} embeds only "
+        f"{rows:,} token ids: ids from {rows:,} up would crash the first forward pass. Use the model's own "
+        "tokenizer (model.tokenizer=<the tokenizer the model was trained with>), or pick a model whose vocabulary "
+        f"covers this tokenizer (at least {needed:,} embeddings)."
+    )
+
+
+def build_model(
+    cfg: ModelConfig, seed: int, device: torch.device, tokenizer: PreTrainedTokenizerBase | None = None
+) -> CausalLMLoss:
+    """Base model -> LoRA (or full fine-tune) -> gradient checkpointing -> loss module, on ``device``.
+
+    Args:
+        cfg: the model group.
+        seed: seeds random initialisation (model.init=random).
+        device: where the loss module goes.
+        tokenizer: the run's tokenizer; when given, checked against the model's embedding first.
+
+    Raises:
+        ValueError: the tokenizer's ids do not fit the model's input embedding (``check_tokenizer_fits``).
+    """
     if cfg.liger_kernel:
         apply_liger_kernel(cfg, device)
     model = build_base_model(cfg, seed)
+    if tokenizer is not None:
+        check_tokenizer_fits(tokenizer, model, cfg)
     if cfg.lora:
         model = apply_lora(model, cfg)
     if cfg.gradient_checkpointing:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain.config import Backend, CommHook, Device, ParallelConfig
@@ -165,8 +165,9 @@ def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: Com
     """Wrap in DDP when there is more than one rank; a single process gets the model back.
 
     The communication hook (plain all-reduce unless parallel.comm_hook says otherwise) is
-    registered here, wrapped so that ``counter`` sees every bucket it sends. Skipped
-    micro-steps (``grad_sync(enabled=False)``) run no hook at all.
+    registered here and counts into ``counter`` every bucket it handles and the bytes of
+    every tensor it hands to the all-reduce. Skipped micro-steps (``grad_sync(enabled=False)``)
+    run no hook at all.
     """
     if env.world_size == 1:
         return model
@@ -178,43 +179,94 @@ def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: Com
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
     )
-    state, hook, wire_bytes = _comm_hook(cfg, env)
-    ddp.register_comm_hook(state, _counting(hook, wire_bytes, counter or CommCounter()))
+    state, hook = _comm_hook(cfg, env, counter or CommCounter())
+    ddp.register_comm_hook(state, hook)
     return ddp
 
 
-def _comm_hook(cfg: ParallelConfig, env: DistEnv) -> tuple[Any, Any, int | None]:
-    """(state, hook, bytes per gradient element on the wire; None when it depends on the bucket)."""
+def _comm_hook(cfg: ParallelConfig, env: DistEnv, counter: CommCounter) -> tuple[Any, Any]:
+    """(state, hook) for ``DDP.register_comm_hook``; the hook counts what it sends into ``counter``."""
     if cfg.comm_hook == CommHook.none:
-        return None, default_hooks.allreduce_hook, None
+        return None, _allreduce_hook(counter)
     if cfg.comm_hook == CommHook.fp16_compress:
-        return None, default_hooks.fp16_compress_hook, 2
+        return None, _compress_hook(torch.float16, counter)
     if cfg.comm_hook == CommHook.bf16_compress:
         if env.backend != "nccl":
             raise RuntimeError(
                 "parallel.comm_hook=bf16_compress needs the nccl backend (PyTorch's hook refuses gloo): "
                 "use parallel.comm_hook=fp16_compress on CPU."
             )
-        return None, default_hooks.bf16_compress_hook, 2
+        return None, _compress_hook(torch.bfloat16, counter)
     state = powerSGD_hook.PowerSGDState(
         process_group=None, matrix_approximation_rank=cfg.powersgd_rank, start_powerSGD_iter=2
     )
-    return state, powerSGD_hook.powerSGD_hook, None
+    return state, _powersgd_hook(counter)
 
 
-def _counting(hook: Any, wire_bytes: int | None, counter: CommCounter) -> Any:
-    # No annotations: DDP rejects a hook whose ``bucket`` annotation is not the GradBucket class
-    # itself, and ``from __future__ import annotations`` would turn it into a string.
-    def counted(state, bucket):
+# The hooks carry no annotations: DDP rejects a hook whose ``bucket`` annotation is not the
+# GradBucket class itself, and ``from __future__ import annotations`` would turn it into a string.
+# They mirror torch's default_hooks (allreduce_hook, fp16/bf16_compress_hook), counting on the way.
+
+
+def _count_bucket(counter: CommCounter, bucket: Any) -> None:
+    counter.calls += 1
+    counter.syncs += int(bucket.is_last())
+
+
+def _average_async(tensor: torch.Tensor, counter: CommCounter) -> torch.futures.Future:
+    """Start averaging ``tensor`` in place over ranks; count the bytes handed to the all-reduce."""
+    counter.bytes += tensor.numel() * tensor.element_size()
+    # Divide first: a sum of fp16 gradients over many ranks can overflow where their mean does not.
+    tensor.div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future()
+
+
+def _allreduce_hook(counter: CommCounter) -> Any:
+    """DDP's own behaviour: average the bucket as it is (fp32 gradients send 4 bytes each)."""
+
+    def allreduce(state, bucket):
+        _count_bucket(counter, bucket)
+        return _average_async(bucket.buffer(), counter).then(lambda fut: fut.value()[0])
+
+    return allreduce
+
+
+def _compress_hook(dtype: torch.dtype, counter: CommCounter) -> Any:
+    """Average a copy of the bucket cast to ``dtype``, then write the result back into the bucket."""
+
+    def compressed_allreduce(state, bucket):
+        _count_bucket(counter, bucket)
         buffer = bucket.buffer()
-        counter.calls += 1
-        counter.syncs += int(bucket.is_last())
-        # PowerSGD sends low-rank factors whose size is known only inside the hook: count the
-        # uncompressed size as an upper bound.
-        counter.bytes += buffer.numel() * (wire_bytes or buffer.element_size())
-        return hook(state, bucket)
 
-    return counted
+        def decompress(fut):
+            # In place: the bucket's own memory (gradient views) holds the result, no second fp32 copy.
+            return buffer.copy_(fut.value()[0])
+
+        return _average_async(buffer.to(dtype), counter).then(decompress)
+
+    return compressed_allreduce
+
+
+def _powersgd_hook(counter: CommCounter) -> Any:
+    """torch's PowerSGD hook, counting the bytes it all-reduces.
+
+    Before ``start_powerSGD_iter`` it averages the bucket as it is. After, it all-reduces the
+    tensors it does not compress, then the P factors, then the Q factors (the last two from
+    callbacks, after the hook returns); their element counts are exactly what it adds to
+    ``state.compression_stats()``'s "after compression" total while it splits the bucket.
+    """
+
+    def powersgd(state, bucket):
+        _count_bucket(counter, bucket)
+        buffer = bucket.buffer()
+        full_bucket = state.iter < state.start_powerSGD_iter
+        elements_before = state.compression_stats()[2]
+        future = powerSGD_hook.powerSGD_hook(state, bucket)
+        elements = buffer.numel() if full_bucket else state.compression_stats()[2] - elements_before
+        counter.bytes += elements * buffer.element_size()
+        return future
+
+    return powersgd
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -233,13 +285,24 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Within this block, backward all-reduces gradients only if ``enabled``.
 
     Accumulation micro-steps run with enabled=False (DDP's ``no_sync``); the last
-    micro-step of an optimizer step syncs the accumulated gradients once.
+    micro-step of an optimizer step syncs the accumulated gradients once. ``model`` may be
+    torch.compile's wrapper around DDP: its forward still runs DDP's, which reads the flag.
     """
-    if enabled or not isinstance(model, DDP):
+    ddp = _find_ddp(model)
+    if enabled or ddp is None:
         yield
         return
-    with model.no_sync():
+    with ddp.no_sync():
         yield
+
+
+def _find_ddp(model: nn.Module) -> DDP | None:
+    """The DDP module ``model`` is or wraps (through torch.compile's ``_orig_mod``), or None."""
+    while not isinstance(model, DDP):
+        if not hasattr(model, "_orig_mod"):
+            return None
+        model = model._orig_mod
+    return model
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -257,6 +320,17 @@ def all_gather_object(obj: T) -> list[T]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def all_gather_tensor(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``values`` stacked in rank order: ``[world_size, *values.shape]`` on the input's device.
+
+    Every rank must pass the same shape and dtype.
+    """
+    local = values.detach().to(_collective_device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return torch.stack(gathered).to(values.device)
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:

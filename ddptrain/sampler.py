@@ -490,15 +490,6 @@ class DistributedBatchSampler:
         self.set_epoch(int(state["epoch"]))
         self._set_position(int(state["position"]))
 
-    def micro_step_costs(self, i: int) -> tuple[list[int], list[int]]:
-        """Real and padded tokens of every rank at micro-step ``i``, computed locally with no collective.
-
-        Returns:
-            ``(real per rank, padded per rank)``.
-        """
-        costs = [micro_batch_cost(batch, self._lengths, self.spec) for batch in self._plan[i]]
-        return [real for real, _ in costs], [padded for _, padded in costs]
-
     def _set_position(self, position: int) -> None:
         if not 0 <= position <= len(self._plan):
             raise ValueError(f"position {position} is outside epoch {self._epoch}'s 0..{len(self._plan)} micro-steps")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import signal
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddptrain import checkpoint, parallel
+from ddptrain import checkpoint, parallel, signals
 from ddptrain.config import Batching, DType, RunConfig
-from ddptrain.data import Collator, RowsDataset, TokenizedData, build_datasets
+from ddptrain.data import Collator, RowsDataset, TokenizedData, batch_token_counts, build_datasets
 from ddptrain.metrics import Stopwatch, build_metrics_logger, build_progress_bar
 from ddptrain.model import TORCH_DTYPES, CausalLMLoss, build_model, build_tokenizer
 from ddptrain.optim import build_optimizer, build_scheduler
@@ -38,25 +37,43 @@ class StepResult:
     target_tokens: int
     grad_norm: torch.Tensor
     skipped: bool
-    micro_steps: int
+    batch_tokens: list[tuple[int, int]]  # (real, padded) tokens of each micro-batch this rank trained on
+
+    @property
+    def micro_steps(self) -> int:
+        return len(self.batch_tokens)
 
 
 @dataclass
 class Window:
-    """Accumulates steps between two log lines."""
+    """This rank's share of the steps between two log lines.
+
+    A step's token counts travel with the step, measured from the tensors it trained on, so a
+    window that spans an epoch boundary (or a resume) never looks anything up in a batch plan.
+    """
 
     loss_sum: torch.Tensor | float = 0.0
     target_tokens: int = 0
-    micro_steps: list[int] = field(default_factory=list)
+    batch_tokens: list[tuple[int, int]] = field(default_factory=list)
     skipped: int = 0
     steps: int = 0
 
-    def add(self, result: StepResult, first_micro_step: int) -> None:
+    def add(self, result: StepResult) -> None:
         self.loss_sum = self.loss_sum + result.loss_sum.double()
         self.target_tokens += result.target_tokens
-        self.micro_steps += range(first_micro_step, first_micro_step + result.micro_steps)
+        self.batch_tokens += result.batch_tokens
         self.skipped += int(result.skipped)
         self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers (the loss sum is read off the device): one rank's partial window for a checkpoint."""
+        return {**asdict(self), "loss_sum": float(self.loss_sum)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_sum = float(state["loss_sum"])
+        self.target_tokens = int(state["target_tokens"])
+        self.batch_tokens = [(int(real), int(padded)) for real, padded in state["batch_tokens"]]
+        self.skipped, self.steps = int(state["skipped"]), int(state["steps"])
 
 
 class Trainer:
@@ -71,11 +88,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path):
         self.cfg, self.env, self.run_dir = cfg, env, run_dir
         self.tokenizer = build_tokenizer(cfg.model)
+        # The model first: a tokenizer it cannot embed is refused before minutes of tokenizing.
+        self.loss_module: CausalLMLoss = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer)
         with parallel.local_rank_zero_first(env, cfg.data.prepare_timeout_s, "tokenizing the dataset"):
             self.data: TokenizedData = build_datasets(cfg.data, self.tokenizer, cfg.trainer.seed)
         self.sampler = DistributedBatchSampler(self.data.train["length"], self._batching_spec(), env.rank)
         self.loader = self._build_loader()
-        self.loss_module: CausalLMLoss = build_model(cfg.model, cfg.trainer.seed, env.device)
         self.comm = parallel.CommCounter()
         self.model: nn.Module = parallel.wrap_model(self.loss_module, cfg.parallel, env, self.comm)
         if cfg.trainer.compile:
@@ -120,6 +138,13 @@ class Trainer:
             num_workers=self.cfg.data.num_workers,
             pin_memory=self.env.device.type == "cuda",
             persistent_workers=False,
+            # Its own generator: otherwise every new iterator draws its base seed from the global RNG,
+            # and a run resumed mid-epoch would draw at another point than the uninterrupted run did,
+            # shifting every dropout mask after it.
+            generator=torch.Generator().manual_seed(self.cfg.trainer.seed),
+            # A terminal's Ctrl-C or a scheduler's SIGTERM reaches every process of the job: the
+            # loader's workers leave the stop to the training process, which shuts them down.
+            worker_init_fn=signals.ignore_stop_signals,
         )
 
     def _total_steps(self) -> int:
@@ -135,11 +160,12 @@ class Trainer:
         """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way.
 
         The data position lives in the sampler, so a resumed run continues mid-epoch exactly
-        where the checkpoint left off. SIGTERM (pre-emption) saves a checkpoint at the next
-        step boundary and returns.
+        where the checkpoint left off. SIGTERM (pre-emption) or a first Ctrl-C saves a checkpoint
+        at the next step boundary and returns (see ``ddptrain.signals``).
 
         Returns:
-            The last logged metrics record (identical on every rank).
+            The last logged metrics record (identical on every rank); after a stop by signal it
+            also holds ``stopped_by`` and ``stopped_at_step``.
         """
         parallel.check_same_on_all_ranks(
             len(self.sampler), "micro-batches per epoch", "Every rank must build the same batch plan; this is a bug."
@@ -153,11 +179,11 @@ class Trainer:
         )
         bar = build_progress_bar(self.cfg.trainer.progress_bar, self.env.is_rank_zero, self.total_steps, self.step)
         watch, last = Stopwatch(), {}
-        with stop_on_sigterm() as stop:
+        with signals.stop_on_signals() as stop:
             while self.step < self.total_steps and not self.stopping:
                 for micro_batches in chunked(self.loader, self.cfg.optim.grad_accum_steps):
                     result = self.train_step(micro_batches, stop_requested=stop.requested)
-                    self.window.add(result, self.sampler.position)
+                    self.window.add(result)
                     self.sampler.skip(result.micro_steps)
                     self.step += 1
                     bar.advance()
@@ -173,11 +199,14 @@ class Trainer:
                 else:
                     self.sampler.set_epoch(self.sampler.epoch + 1)
         bar.close()
-        if self.stopping:
-            self.save_checkpoint()
-            log.warning("stopped by SIGTERM at step %d; resume with trainer.resume=%s", self.step, self.run_dir)
-        else:
-            self.finish()
+        with signals.stop_on_signals(stop):  # while saving: a repeat changes nothing, a second Ctrl-C aborts
+            if self.stopping:
+                self.save_checkpoint()
+                last = {**last, **stop.report(self.step)}
+                by = last[signals.STOPPED_BY]
+                log.info("stopped by %s at step %d; resume with trainer.resume=%s", by, self.step, self.run_dir)
+            else:
+                self.finish()
         return last
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], stop_requested: bool = False) -> StepResult:
@@ -192,6 +221,7 @@ class Trainer:
         """
         # Counted on the CPU copies: no wait on the device.
         local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+        batch_tokens = [batch_token_counts(b) for b in micro_batches]
         batches = [self._to_device(b) for b in micro_batches]
         n_tokens, stops = parallel.all_reduce_sum(
             torch.tensor([local_tokens, float(stop_requested)], dtype=torch.float64)
@@ -213,7 +243,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale_before
-        return StepResult(loss_sum, local_tokens, grad_norm, skipped, len(batches))
+        return StepResult(loss_sum, local_tokens, grad_norm, skipped, batch_tokens)
 
     def _clip_gradients(self) -> torch.Tensor:
         self.scaler.unscale_(self.optimizer)
@@ -268,7 +298,7 @@ class Trainer:
         local = torch.tensor([float(window.loss_sum), window.target_tokens], dtype=torch.float64)
         totals = parallel.all_reduce_sum(local)
         seconds = watch.lap()
-        real, padded, imbalance, peak = self._batch_stats(window.micro_steps)
+        real, padded, imbalance, peak = batch_stats(parallel.all_gather_tensor(torch.tensor(window.batch_tokens)))
         calls, syncs, sent = self.comm.take()
         record = {
             "step": self.step,
@@ -291,19 +321,6 @@ class Trainer:
         }
         self.metrics.log(record)
         return record
-
-    def _batch_stats(self, micro_steps: Iterable[int]) -> tuple[int, int, float, int]:
-        """Real and padded tokens over all ranks, worst rank imbalance and peak rank tokens (from the plan)."""
-        real = padded = peak = 0
-        imbalance = 1.0
-        for i in micro_steps:
-            real_per_rank, padded_per_rank = self.sampler.micro_step_costs(i)
-            real += sum(real_per_rank)
-            padded += sum(padded_per_rank)
-            peak = max(peak, *padded_per_rank)
-            mean = sum(padded_per_rank) / len(padded_per_rank)
-            imbalance = max(imbalance, max(padded_per_rank) / max(mean, 1e-9))
-        return real, padded, imbalance, peak
 
     def maybe_evaluate(self) -> None:
         every = self.cfg.trainer.eval_every_n_steps
@@ -348,13 +365,15 @@ class Trainer:
             RuntimeError: the write failed (the previous checkpoint is intact and named).
         """
         rng = parallel.all_gather_object(checkpoint.capture_rng())
+        # Each rank's partial log window: its loss and token counts are its own, not rank 0's.
+        windows = parallel.all_gather_object(self.window.state_dict())
         state = {
             "step": self.step,
             "sampler": self.sampler.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "window": asdict(self.window),
+            "windows": windows,
             "rng": rng,
         }
         meta = {
@@ -416,7 +435,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
-        self.window = Window(**state["window"])
+        self.window.load_state_dict(state["windows"][self.env.rank])
         self.step = state["step"]
         checkpoint.restore_rng(state["rng"][self.env.rank])
         log.info("resumed from %s at step %d (epoch %d)", folder, self.step, self.sampler.epoch)
@@ -432,6 +451,22 @@ class Trainer:
         self.metrics.close()
 
 
+def batch_stats(tokens: torch.Tensor) -> tuple[int, int, float, int]:
+    """Figures of a log window from every rank's measured ``(real, padded)`` tokens per micro-step.
+
+    Args:
+        tokens: ``[world_size, micro_steps, 2]`` integers, as gathered from the ranks.
+
+    Returns:
+        Real and padded tokens over all ranks, the worst micro-step's rank imbalance (largest padded
+        micro-batch / mean over ranks) and the largest padded micro-batch of any rank.
+    """
+    real, padded = int(tokens[..., 0].sum()), int(tokens[..., 1].sum())
+    per_rank = tokens[..., 1].double()  # [world, micro_steps]
+    imbalance = float((per_rank.max(dim=0).values / per_rank.mean(dim=0).clamp(min=1e-9)).max())
+    return real, padded, max(imbalance, 1.0), int(per_rank.max())
+
+
 def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
     """Consecutive lists of ``size`` items (the last may be shorter): micro-batches of one optimizer step."""
     chunk: list[Any] = []
@@ -442,25 +477,3 @@ def chunked(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
             chunk = []
     if chunk:
         yield chunk
-
-
-class StopRequest:
-    """Set by the SIGTERM handler; read by the loop at the next step boundary."""
-
-    requested: bool = False
-
-
-@contextlib.contextmanager
-def stop_on_sigterm() -> Iterator[StopRequest]:
-    """Turn SIGTERM (pre-emption, torchrun shutting down) into a request to checkpoint and stop."""
-    stop = StopRequest()
-
-    def request(signum: int, frame: Any) -> None:
-        stop.requested = True
-        log.warning("SIGTERM: saving a checkpoint at the end of this step, then stopping")
-
-    previous = signal.signal(signal.SIGTERM, request)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGTERM, previous)

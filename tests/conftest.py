@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -19,11 +20,33 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 ALPACA = SHARED_DATA / "alpaca" / "alpaca_data_52k.jsonl"
 QWEN2_TOKENIZER = SHARED_DATA / "tokenizers" / "qwen2"
 
-requires_shared = pytest.mark.skipif(not ALPACA.exists(), reason="needs ../shared/data (Alpaca, Qwen2 tokenizer)")
+# CI runs every test: under CI (as .ci/run sets), what would skip a test elsewhere fails it.
+UNDER_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+# Tests that read the real data beside the repository; see pytest_runtest_setup.
+requires_shared = pytest.mark.requires_shared
 
 # One thread per rank: the CI machine has 2 cores and the tests run 2 ranks.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip the test here; under CI fail it instead, so a missing prerequisite cannot pass unnoticed."""
+    if UNDER_CI:
+        pytest.fail(f"{reason} (CI=true: this test must run, not skip)", pytrace=False)
+    pytest.skip(reason)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "requires_shared: reads ../shared/data (Alpaca, Qwen2 tokenizer)")
+
+
+def pytest_runtest_setup(item) -> None:
+    if item.get_closest_marker("requires_shared") is None:
+        return
+    missing = [str(p) for p in (ALPACA, QWEN2_TOKENIZER) if not p.exists()]
+    if missing:
+        skip_or_fail(f"needs ../shared/data beside the repository; missing: {', '.join(missing)}")
 
 
 def compose_config(overrides: list[str], config_name: str = "train", config_dir: Path | None = None) -> RunConfig:
@@ -43,12 +66,17 @@ def datasets_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("datasets-cache")
 
 
+RUN_TAG = "DDPTRAIN_TEST_COMMAND"
+
+
 def run_ddptrain(
     args: list[str], timeout: float = 300, launcher: list[str] | None = None
 ) -> subprocess.CompletedProcess:
     """Run the real entrypoint in a subprocess (``python -m ddptrain`` unless ``launcher`` says otherwise)."""
     command = (launcher or [sys.executable]) + ["-m", "ddptrain", *args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Every process of the run inherits its command line in the environment, so that
+    # assert_no_process_left also finds workers whose own command line does not show it (spawned ones).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", RUN_TAG: " ".join(command)}
     env.pop("MASTER_PORT", None)
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
@@ -60,3 +88,40 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def run_dirs(output_dir: Path) -> list[Path]:
     """Run folders (hidden bookkeeping such as .torchrun/ excluded)."""
     return sorted(p for p in output_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _read_or_empty(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except PermissionError:  # another user's process: its command line is still readable
+        return ""
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    """Live processes (not this one) whose command line or environment contains ``marker``, from /proc.
+
+    Raises:
+        pytest.fail: no /proc to read (the check must not pass by seeing nothing).
+    """
+    proc = Path("/proc")
+    if not (proc / "self" / "cmdline").is_file():
+        pytest.fail("cannot list processes: no /proc on this machine", pytrace=False)
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = _read_or_empty(entry / "environ")
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended while we looked
+        if marker in cmdline or marker in environ:
+            found.append(f"{entry.name}: {cmdline.strip()}")
+    return found
+
+
+def assert_no_process_left(marker: str) -> None:
+    """No process started for a run (its command line, or the RUN_TAG that run_ddptrain gives each
+    process of the run) is still alive."""
+    left = processes_mentioning(marker)
+    assert not left, f"processes left behind: {left}"

@@ -4,6 +4,7 @@ communication, mixed precision, and the pre-flight checks."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from ddptrain.launch import launch
 from tests.conftest import compose_config, read_metrics
 from tests.distributed.workers import train_fixed_layout, train_with_unused_parameter
+from tests.distributed.workers_comm import train_recording_gradient_allreduces
 
 pytestmark = pytest.mark.dist
 
@@ -77,12 +79,94 @@ def test_one_all_reduce_per_optimizer_step_whatever_the_accumulation(tmp_path) -
     assert calls[1] == calls[2] == calls[4], calls
 
 
-def test_fp16_compression_halves_the_bytes_all_reduced(tmp_path) -> None:
-    plain = run_fit(tmp_path, "plain", ["trainer.max_steps=2"])
-    compressed = run_fit(tmp_path, "fp16", ["trainer.max_steps=2", "parallel.comm_hook=fp16_compress"])
-    assert plain[0]["allreduce_bytes_per_step"] > 0
-    assert compressed[0]["allreduce_bytes_per_step"] * 2 == plain[0]["allreduce_bytes_per_step"]
-    assert abs(compressed[-1]["loss"] - plain[-1]["loss"]) < 1e-2
+def run_recording_allreduces(tmp_path: Path, name: str, extra: list[str]) -> tuple[list[dict], dict]:
+    """Train (every step logged) while the test records what DDP handed to torch.distributed.all_reduce.
+
+    Returns:
+        The metric records, and rank 0's measurement ``{"bytes": [per step], "calls": [per step]}``
+        (after checking rank 1 measured the same).
+    """
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    cfg = compose_config(
+        ["parallel=ddp2", "trainer.log_every_n_steps=1", f"trainer.output_dir={tmp_path}", *TINY, *extra]
+    )
+    launch(cfg, run_dir, entrypoint=train_recording_gradient_allreduces)
+    rank0, rank1 = (json.loads((run_dir / f"allreduce-rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1, f"{name}: the ranks all-reduced different amounts: {rank0} vs {rank1}"
+    return [r for r in read_metrics(run_dir) if "loss" in r], rank0
+
+
+COMM_STEPS = 4  # PowerSGD averages whole buckets for 2 steps (start_powerSGD_iter), then compresses
+
+
+@pytest.fixture(scope="module")
+def plain_allreduce(tmp_path_factory) -> tuple[list[dict], dict]:
+    """The default hook (plain all-reduce), measured: the reference the compressed hooks are held to."""
+    return run_recording_allreduces(tmp_path_factory.mktemp("comm"), "plain", [f"trainer.max_steps={COMM_STEPS}"])
+
+
+def assert_logged_bytes_are_the_measured_ones(records: list[dict], sent: dict) -> None:
+    assert len(records) == len(sent["bytes"]) == COMM_STEPS, (records, sent)
+    assert all(b > 0 for b in sent["bytes"]), f"no gradient all-reduce went through torch.distributed: {sent}"
+    assert [r["allreduce_bytes_per_step"] for r in records] == sent["bytes"]
+
+
+def test_fp16_compression_halves_the_bytes_all_reduced(tmp_path, plain_allreduce) -> None:
+    """The test records the bytes of every tensor DDP hands to torch.distributed.all_reduce: the logged
+    allreduce_bytes_per_step is what was sent, and fp16_compress sends exactly half of plain all-reduce."""
+    plain, plain_sent = plain_allreduce
+    fp16, fp16_sent = run_recording_allreduces(
+        tmp_path, "fp16", [f"trainer.max_steps={COMM_STEPS}", "parallel.comm_hook=fp16_compress"]
+    )
+    for records, sent in ((plain, plain_sent), (fp16, fp16_sent)):
+        assert_logged_bytes_are_the_measured_ones(records, sent)
+        assert [r["allreduce_calls_per_step"] for r in records] == sent["calls"]  # one all-reduce per bucket
+    assert [2 * b for b in fp16_sent["bytes"]] == plain_sent["bytes"]
+    assert abs(fp16[-1]["loss"] - plain[-1]["loss"]) < 1e-2
+    print(f"bytes per step: plain {plain_sent['bytes']}, fp16_compress {fp16_sent['bytes']}")
+
+
+def test_powersgd_trains_and_sends_fewer_bytes_once_it_compresses(tmp_path, plain_allreduce) -> None:
+    """Measured as above: the logged bytes are what was sent; the first start_powerSGD_iter=2 steps send
+    whole buckets like plain all-reduce, later steps less (low-rank factors); the loss stays finite."""
+    _, plain_sent = plain_allreduce
+    records, sent = run_recording_allreduces(
+        tmp_path, "powersgd", [f"trainer.max_steps={COMM_STEPS}", "parallel.comm_hook=powersgd"]
+    )
+    assert_logged_bytes_are_the_measured_ones(records, sent)
+    assert sent["bytes"][:2] == plain_sent["bytes"][:2]
+    assert all(b < plain_b for b, plain_b in zip(sent["bytes"][2:], plain_sent["bytes"][2:], strict=True)), (
+        sent["bytes"],
+        plain_sent["bytes"],
+    )
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(loss) and loss < 20 for loss in losses), losses
+    print(f"bytes per step: plain {plain_sent['bytes']}, powersgd {sent['bytes']}")
+
+
+def test_compiled_model_computes_the_eager_loss_and_trains(tmp_path, plain_allreduce) -> None:
+    """trainer.compile=true on 2 ranks: step 1 (the initial weights) gives the eager run's loss to 1e-5; the next
+    steps follow the eager run's losses (to 1e-4: compiled kernels round differently), so the compiled model's
+    parameters were updated as eager's were. The eager run is the plain-all-reduce run above (same data, and the
+    same learning rates: warm-up does not depend on max_steps)."""
+    eager, _ = plain_allreduce
+    compiled = run_fit(tmp_path, "compiled", ["trainer.max_steps=3", "trainer.compile=true"])
+    losses = [r["loss"] for r in compiled]
+    assert all(math.isfinite(loss) for loss in losses) and len(set(losses)) == len(losses), losses
+    diffs = [abs(c["loss"] - e["loss"]) for c, e in zip(compiled, eager[: len(compiled)], strict=True)]
+    assert diffs[0] <= 1e-5, f"step-1 loss: compiled {compiled[0]['loss']} vs eager {eager[0]['loss']}"
+    assert max(diffs) <= 1e-4, f"compiled losses {losses} drift from eager {[e['loss'] for e in eager]}"
+    print(f"compiled - eager loss per step: {diffs}")
+
+
+def test_compiled_model_syncs_once_per_step_under_accumulation(tmp_path) -> None:
+    """torch.compile wraps the DDP module: accumulation micro-steps must still skip the all-reduce."""
+    records = run_fit(
+        tmp_path, "compiled-accum2", ["trainer.max_steps=2", "trainer.compile=true", "optim.grad_accum_steps=2"]
+    )
+    assert [r["allreduce_syncs_per_step"] for r in records] == [1.0, 1.0]
+    assert all(math.isfinite(r["loss"]) for r in records), records
 
 
 def _cpu_fp16_autocast_works() -> bool:

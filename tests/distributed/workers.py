@@ -130,39 +130,6 @@ def train_with_unused_parameter(cfg: RunConfig, run_dir: str, store_port: int | 
         parallel.teardown()
 
 
-CHANGES = ("os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree")
-
-
-def train_and_audit_writes(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
-    """The default worker's training, with a Python audit hook recording every file this rank creates,
-    opens for writing, renames or deletes under the run directory."""
-    import os
-    import sys
-
-    root = str(Path(run_dir).resolve())
-    writes: list[str] = []
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-
-    def audit(event: str, args: tuple) -> None:
-        if event == "open" and isinstance(args[0], str | Path):
-            mode, flags = args[1], args[2]
-            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool(flags & write_flags)
-            if writing and str(args[0]).startswith(root):
-                writes.append(f"open {args[0]}")
-        elif event in CHANGES and str(args[0]).startswith(root):
-            writes.append(f"{event} {args[0]}")
-
-    sys.addaudithook(audit)
-    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
-    try:
-        setup_logging(env.rank, Path(run_dir) if env.is_rank_zero else None)
-        Trainer(cfg, env, Path(run_dir)).fit()
-        found = list(writes)
-        (Path(run_dir) / f"writes-rank{env.rank}.json").write_text(json.dumps(found))
-    finally:
-        parallel.teardown()
-
-
 def report_listening_sockets(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
     """After the group forms, list the TCP sockets this worker and the launcher (its parent) listen on."""
     import os

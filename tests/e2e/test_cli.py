@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,12 +18,24 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from ddptrain.data import Collator, RowsDataset, build_datasets
 from ddptrain.export import load_run_config
 from ddptrain.model import CausalLMLoss
-from tests.conftest import ALPACA, REPO, read_metrics, requires_shared, run_ddptrain, run_dirs
+from tests.conftest import (
+    ALPACA,
+    REPO,
+    RUN_TAG,
+    assert_no_process_left,
+    processes_mentioning,
+    read_metrics,
+    requires_shared,
+    run_ddptrain,
+    run_dirs,
+)
 
 pytestmark = pytest.mark.e2e
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
 METRIC_FIELDS = {"step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
 BATCH_FIELDS = {"padding_fraction", "rank_imbalance", "peak_rank_tokens"}
+# What rank 1 may print (metrics.setup_logging): "[rank1] HH:MM:SS WARNING logger: message", or ERROR.
+RANK1_WARNING = re.compile(r"^\[rank1\] \d\d:\d\d:\d\d (WARNING|ERROR|CRITICAL) ")
 
 
 def alpaca_args(output_dir: Path, cache: Path, steps: int = 20) -> list[str]:
@@ -61,7 +74,8 @@ def eval_loss_from_saved_adapter(run_dir: Path) -> float:
 def check_training_run(output_dir: Path, result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     (run_dir,) = run_dirs(output_dir)  # exactly one run directory for both ranks
-    assert f"Results in {run_dir}" in result.stderr
+    assert result.stderr.count(f"Results in {run_dir}") == 1, "rank 0, and only rank 0, reports the results"
+    check_two_ranks_only_rank0_informs(result.stderr)
     records = read_metrics(run_dir)
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [5, 10, 15, 20]
@@ -75,11 +89,18 @@ def check_training_run(output_dir: Path, result: subprocess.CompletedProcess) ->
     assert not (run_dir / "adapter" / "adapter_model.safetensors").read_bytes().count(b"module.")
 
 
+def check_two_ranks_only_rank0_informs(stderr: str) -> None:
+    """The group had two ranks, and rank 1 logged nothing below WARNING (rank 0 alone tells the story)."""
+    assert len(re.findall(r"INFO ddptrain\.launch: rank 0 of 2 on ", stderr)) == 1, "rank 0 of a 2-rank group"
+    assert "rank 1 of 2" not in stderr, "rank 1 logged at INFO (its 'rank 1 of 2 on ...' line)"
+    other = [line for line in stderr.splitlines() if "[rank1]" in line and not RANK1_WARNING.match(line)]
+    assert not other, f"rank 1 printed lines that are not its WARNING/ERROR log lines: {other[:5]}"
+
+
 @requires_shared
 def test_python_m_ddptrain_self_launches_two_ranks(tmp_path, datasets_cache) -> None:
     result = run_ddptrain(alpaca_args(tmp_path / "out", datasets_cache))
     check_training_run(tmp_path / "out", result)
-    assert "[rank1]" not in result.stderr or "WARNING" in result.stderr
 
 
 @requires_shared
@@ -115,28 +136,55 @@ def test_multirun_gives_each_job_its_own_folder_and_group(tmp_path) -> None:
     jobs = run_dirs(sweep)
     assert [j.name.split("_")[0] for j in jobs] == ["0", "1"]
     for job, accum in zip(jobs, (1, 2)):
-        assert read_metrics(job)[0]["step"] >= 1
+        assert read_metrics(job)[-1]["step"] == 3, "each job trains its own 3 steps"
         assert f"grad_accum_steps: {accum}" in (job / "config.yaml").read_text()
+    assert len(re.findall(r"INFO ddptrain\.launch: rank 0 of 2 on ", result.stderr)) == 2, "one 2-rank group per job"
 
 
+# Each case: the overrides, and patterns that must all match the error (re.MULTILINE). They name the
+# key exactly as the user typed it: "trainer.max_step" must not be satisfied by "trainer.max_steps".
 BAD_CONFIGS = {
-    "misspelled key": (["trainer.max_step=3"], "trainer.max_step"),
-    "wrong type": (["trainer.max_steps=abc"], "max_steps"),
-    "unknown option": (["parallel=ddp3"], "parallel/ddp3"),
-    "missing data file": (["data.path=/no/such/rows.jsonl"], "data.path=/no/such/rows.jsonl"),
+    "misspelled key": (
+        ["trainer.max_step=3"],
+        [
+            r"Could not override 'trainer\.max_step'",
+            r"Key 'max_step' not in 'TrainerConfig'",
+            r"full_key: trainer\.max_step$",
+        ],
+    ),
+    "wrong type": (
+        ["trainer.max_steps=abc"],
+        [r"Value 'abc' of type 'str' could not be converted to Integer", r"full_key: trainer\.max_steps$"],
+    ),
+    "unknown option": (
+        ["parallel=ddp3"],
+        [r"Could not find 'parallel/ddp3'", r"Available options in 'parallel'", r"^\s+ddp2$"],
+    ),
+    "missing data file": (
+        ["data.path=/no/such/rows.jsonl"],
+        [r"^ {2}- data\.path=/no/such/rows\.jsonl: no such file\. Point data\.path at a \.json, \.jsonl or \.parquet"],
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
 def test_bad_config_fails_fast_naming_the_key(case, tmp_path) -> None:
-    overrides, expected = BAD_CONFIGS[case]
+    overrides, patterns = BAD_CONFIGS[case]
     marker = f"trainer.output_dir={tmp_path}/bad-config-marker"
     start = time.monotonic()
     result = run_ddptrain([*overrides, marker], timeout=60)
     assert result.returncode != 0
     assert time.monotonic() - start < 30
-    assert expected in result.stderr
+    missing = [p for p in patterns if not re.search(p, result.stderr, re.MULTILINE)]
+    assert not missing, f"the error lacks {missing}:\n{result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr, "a config error is a message, not a crash"
+    assert not started_a_worker(tmp_path), "a worker started before the config was checked"
     assert_no_process_left(marker)
+
+
+def started_a_worker(output_dir: Path) -> bool:
+    """Rank 0's worker opens train.log first thing (before that, Hydra may only have made .hydra/)."""
+    return any(output_dir.rglob("train.log")) or any(output_dir.rglob("metrics.jsonl"))
 
 
 def test_torchrun_size_mismatch_fails_fast(tmp_path) -> None:
@@ -146,35 +194,55 @@ def test_torchrun_size_mismatch_fails_fast(tmp_path) -> None:
     assert result.returncode != 0
     assert time.monotonic() - start < 45
     assert "parallel.nproc_per_node=4 but torchrun started 2" in result.stdout + result.stderr
+    assert not started_a_worker(tmp_path)
     assert_no_process_left(marker)
 
 
 def test_busy_master_port_fails_fast_with_the_fix(tmp_path) -> None:
+    marker = f"trainer.output_dir={tmp_path}"
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
+        start = time.monotonic()
         env_result = subprocess.run(
-            [sys.executable, "-m", "ddptrain", f"trainer.output_dir={tmp_path}"],
+            [sys.executable, "-m", "ddptrain", marker],
             capture_output=True,
             text=True,
             timeout=60,
             cwd=REPO,
-            env={**__import__("os").environ, "MASTER_PORT": str(port)},
+            env={**os.environ, "MASTER_PORT": str(port), RUN_TAG: marker},
         )
     assert env_result.returncode != 0
+    assert time.monotonic() - start < 30
     assert f"MASTER_PORT={port} is already in use" in env_result.stderr
     assert "Unset MASTER_PORT" in env_result.stderr
+    assert not started_a_worker(tmp_path)
+    assert_no_process_left(marker)
 
 
-def test_multirun_under_torchrun_is_refused() -> None:
-    result = run_ddptrain(["-m", "optim.grad_accum_steps=1,2"], timeout=90, launcher=TORCHRUN)
+def test_multirun_under_torchrun_is_refused(tmp_path) -> None:
+    marker = f"trainer.output_dir={tmp_path}"
+    result = run_ddptrain(["-m", "optim.grad_accum_steps=1,2", marker], timeout=90, launcher=TORCHRUN)
     assert result.returncode != 0
     assert "python -m ddptrain -m" in result.stdout + result.stderr
+    assert not any(tmp_path.iterdir()), "refused before Hydra made a sweep folder or a job ran"
+    assert_no_process_left(marker)
 
 
-def assert_no_process_left(marker: str) -> None:
-    if shutil.which("pgrep") is None:
-        return
-    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    assert not found, f"processes left behind: {found}"
+def test_assert_no_process_left_sees_processes_of_the_run(tmp_path) -> None:
+    """The helper must see a leftover process by its command line, and a spawned one (whose command line
+    does not show the run's arguments) by the run's tag in its environment."""
+    marker = f"trainer.output_dir={tmp_path}"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    by_cmdline = subprocess.Popen([*sleeper, marker])
+    by_environ = subprocess.Popen(sleeper, env={**os.environ, RUN_TAG: f"python -m ddptrain {marker}"})
+    try:
+        with pytest.raises(AssertionError, match="processes left behind") as caught:
+            assert_no_process_left(marker)
+        assert f"{by_cmdline.pid}:" in str(caught.value) and f"{by_environ.pid}:" in str(caught.value)
+    finally:
+        for proc in (by_cmdline, by_environ):
+            proc.kill()
+            proc.wait()
+    assert processes_mentioning(marker) == []

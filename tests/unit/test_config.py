@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
+from ddptrain import config
 from ddptrain.__main__ import CONF_DIR
-from ddptrain.config import Batching, CommHook, ConfigError
+from ddptrain.config import Batching, CommHook, ConfigError, Device
 from tests.conftest import REPO, compose_config
 
 GROUPS = ["model", "data", "parallel", "optim", "trainer"]
@@ -93,6 +94,53 @@ def test_bf16_compress_on_gloo_is_refused_with_the_alternative() -> None:
     with pytest.raises(ConfigError, match="fp16_compress"):
         compose_config(["parallel.comm_hook=bf16_compress", "parallel.backend=gloo"])
     assert compose_config(["parallel.comm_hook=fp16_compress"]).parallel.comm_hook == CommHook.fp16_compress
+
+
+def cuda_visible(monkeypatch: pytest.MonkeyPatch, available: bool) -> list[bool]:
+    """Pretend CUDA is (not) available to the config check; the list records each time it asked."""
+    asked: list[bool] = []
+
+    def fake() -> bool:
+        asked.append(available)
+        return available
+
+    monkeypatch.setattr(config, "_cuda_available", fake)
+    return asked
+
+
+def test_bf16_compress_with_backend_auto_and_no_cuda_is_refused_before_workers(monkeypatch) -> None:
+    asked = cuda_visible(monkeypatch, False)
+    with pytest.raises(ConfigError) as info:
+        compose_config(["parallel.comm_hook=bf16_compress"])  # parallel.backend=auto, trainer.device=auto
+    (problem,) = info.value.problems
+    assert problem.startswith("parallel.comm_hook=bf16_compress needs NCCL")
+    assert "parallel.backend=auto means gloo here (trainer.device=auto and no CUDA device is visible)" in problem
+    assert "use parallel.comm_hook=fp16_compress (or none) on CPU" in problem
+    assert asked == [False]
+
+
+def test_bf16_compress_with_backend_auto_on_cpu_is_refused_without_asking_torch(monkeypatch) -> None:
+    asked = cuda_visible(monkeypatch, True)  # even with a GPU, trainer.device=cpu means gloo
+    with pytest.raises(ConfigError, match=r"parallel\.backend=auto means gloo with trainer\.device=cpu: use "):
+        compose_config(["parallel.comm_hook=bf16_compress", "trainer.device=cpu"])
+    assert asked == []
+
+
+def test_bf16_compress_is_accepted_where_auto_picks_nccl(monkeypatch) -> None:
+    asked = cuda_visible(monkeypatch, True)
+    assert compose_config(["parallel.comm_hook=bf16_compress"]).parallel.comm_hook == CommHook.bf16_compress
+    assert asked == [True]
+    cuda_visible(monkeypatch, False)  # trainer.device=cuda: nccl whatever this machine has
+    assert compose_config(["parallel.comm_hook=bf16_compress", "trainer.device=cuda"]).trainer.device == Device.cuda
+
+
+@pytest.mark.parametrize("hook", [h.value for h in CommHook if h != CommHook.bf16_compress])
+def test_only_bf16_compress_asks_torch_about_cuda(monkeypatch, hook: str) -> None:
+    """Config errors stay fast: torch is imported only for the one check that needs it."""
+    asked = cuda_visible(monkeypatch, False)
+    compose_config([f"parallel.comm_hook={hook}"])
+    compose_config(["parallel.comm_hook=bf16_compress", "parallel.backend=nccl"])
+    assert asked == []
 
 
 def test_fp16_full_finetune_is_refused() -> None:

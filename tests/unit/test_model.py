@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ddptrain.config import Attention, DataConfig, DType, ModelConfig
+from ddptrain.config import Attention, DataConfig, DType, ModelConfig, ModelInit
 from ddptrain.data import Collator, RowEncoder
-from ddptrain.model import IGNORE_INDEX, CausalLMLoss, build_model, build_tokenizer
-from tests.conftest import REPO, compose_config
+from ddptrain.model import (
+    IGNORE_INDEX,
+    CausalLMLoss,
+    apply_gradient_checkpointing,
+    build_base_model,
+    build_model,
+    build_tokenizer,
+    check_tokenizer_fits,
+)
+from tests.conftest import QWEN2_TOKENIZER, REPO, compose_config, requires_shared
 
 CPU = torch.device("cpu")
 TINY_INSTRUCT = REPO / "ddptrain" / "assets" / "tiny_instruct.jsonl"
@@ -221,6 +231,112 @@ def test_gradient_checkpointing_trains_every_lora_weight_from_step_one(tiny, sam
     assert all(p.grad is not None for p in params.values())
     b_grads = [p.grad for name, p in params.items() if "lora_B" in name]
     assert b_grads and all(g.abs().sum() > 0 for g in b_grads)
+
+
+def test_gradient_checkpointing_uses_no_deprecated_api(tiny):
+    """transformers 5.x deprecates gradient_checkpointing_enable / is_gradient_checkpointing (FutureWarning)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build_model(replace(tiny, gradient_checkpointing=True), 0, CPU)
+    future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert not future
+    layers = model.decoder.layers
+    assert layers and all(layer.gradient_checkpointing for layer in layers)
+
+
+class RecordingModel:
+    """Just the checkpointing methods of a transformers model, recording how they were called."""
+
+    def __init__(self, modern: bool):
+        self.calls: list[tuple[str, dict]] = []
+        if modern:
+            self.activation_checkpointing_enable = lambda **kw: self.calls.append(("activation", kw))
+
+    def gradient_checkpointing_enable(self, **kwargs) -> None:
+        self.calls.append(("gradient", kwargs))
+
+    def enable_input_require_grads(self) -> None:
+        self.calls.append(("input_grads", {}))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_calls_the_current_api_and_falls_back_on_transformers_4(reentrant):
+    modern, old = RecordingModel(modern=True), RecordingModel(modern=False)
+    apply_gradient_checkpointing(modern, reentrant)
+    apply_gradient_checkpointing(old, reentrant)
+    kwargs = {"use_reentrant": reentrant}
+    assert modern.calls == [("activation", {"activation_checkpointing_kwargs": kwargs}), ("input_grads", {})]
+    assert old.calls == [("gradient", {"gradient_checkpointing_kwargs": kwargs}), ("input_grads", {})]
+
+
+# ----------------------------------------------------------------------------- tokenizer vs model
+
+
+class FakeTokenizer(SimpleNamespace):
+    def __len__(self) -> int:
+        return self.size
+
+
+def embedding_of(rows: int) -> SimpleNamespace:
+    return SimpleNamespace(get_input_embeddings=lambda: torch.nn.Embedding(rows, 2))
+
+
+@requires_shared
+def test_a_tokenizer_larger_than_the_embedding_is_refused_with_both_sizes_and_the_fix(tiny):
+    cfg = replace(tiny, tokenizer=str(QWEN2_TOKENIZER))
+    tokenizer = build_tokenizer(cfg)
+    model = build_base_model(cfg, 0)
+    rows = model.get_input_embeddings().num_embeddings
+    assert len(tokenizer) > rows  # the real pair from the issue: Qwen2's 151,646 tokens, the tiny model's 4,352
+    with pytest.raises(ValueError) as info:
+        check_tokenizer_fits(tokenizer, model, cfg)
+    message = str(info.value)
+    assert f"model.tokenizer={QWEN2_TOKENIZER} has {len(tokenizer):,} tokens" in message
+    assert f"model.name_or_path={tiny.name_or_path} embeds only {rows:,} token ids" in message
+    assert "Use the model's own tokenizer" in message
+    assert f"pick a model whose vocabulary covers this tokenizer (at least {len(tokenizer):,} embeddings)" in message
+    assert "\n" not in message, "the self-launcher shows the last line of a rank's error"
+
+
+@requires_shared
+def test_build_model_checks_the_tokenizer_before_training(tiny):
+    cfg = replace(tiny, tokenizer=str(QWEN2_TOKENIZER))
+    with pytest.raises(ValueError, match="Use the model's own tokenizer"):
+        build_model(cfg, 0, CPU, build_tokenizer(cfg))
+
+
+def test_the_bundled_tokenizer_fits_the_tiny_model(tiny):
+    tokenizer = build_tokenizer(tiny)
+    model = build_model(tiny, 0, CPU, tokenizer)
+    assert len(tokenizer) <= model.decoder.get_input_embeddings().num_embeddings
+
+
+@pytest.mark.parametrize(
+    ("size", "pad", "eos", "fits"),
+    [
+        (8, 7, 7, True),  # every id, 0..7, has a row
+        (9, 0, 1, False),  # one token too many
+        (8, None, 8, False),  # EOS id past the last row (an added token counted elsewhere)
+        (8, 8, 1, False),  # pad id past the last row
+    ],
+)
+def test_every_id_the_data_can_hold_must_have_an_embedding_row(tiny, size, pad, eos, fits):
+    tokenizer = FakeTokenizer(size=size, pad_token_id=pad, eos_token_id=eos)
+    if fits:
+        check_tokenizer_fits(tokenizer, embedding_of(8), tiny)
+        return
+    with pytest.raises(ValueError, match=r"embeds only 8 token ids.* \(at least 9 embeddings\)"):
+        check_tokenizer_fits(tokenizer, embedding_of(8), tiny)
+
+
+def test_refusal_names_the_keys_the_model_and_tokenizer_came_from(tiny):
+    tokenizer = FakeTokenizer(size=20, pad_token_id=19, eos_token_id=19)
+    random_cfg = replace(tiny, init=ModelInit.random, config_path="/configs/small", tokenizer=None)
+    with pytest.raises(ValueError) as info:
+        check_tokenizer_fits(tokenizer, embedding_of(8), random_cfg)
+    message = str(info.value)
+    assert message.startswith("model.tokenizer=null (the tokenizer of model.name_or_path) has 20 tokens")
+    assert "(pad id 19, EOS id 19) but model.config_path=/configs/small embeds only 8 token ids" in message
 
 
 # ----------------------------------------------------------------------------- build_model

@@ -1,0 +1,222 @@
+"""Stopping a run by signal: SIGTERM or Ctrl-C saves a checkpoint and stops; a second Ctrl-C aborts.
+
+Two sides:
+
+- Every worker runs its training loop inside ``stop_on_signals()``. SIGTERM (pre-emption) or a
+  first SIGINT (Ctrl-C) only sets a flag; the trainer all-reduces it with the step's token count,
+  so every rank stops after the same step, saves one checkpoint and returns normally. The worker
+  exits 0: under ``torchrun --max-restarts N`` a non-zero exit would restart the group.
+- The self-launcher (``python -m ddptrain``) runs elastic's agent inside ``forward_to_workers()``.
+  Left to itself, the agent turns SIGTERM/SIGINT into ``SignalException``, stops reading its
+  workers' return values, and SIGKILLs them 30 s later: a worker that has returned waits for the
+  launcher to read its value before it exits. Instead the launcher passes the signal on, the agent
+  keeps collecting results, and ``__main__`` prints one line and exits with ``STOPPED_EXIT_CODE``.
+
+A terminal's Ctrl-C reaches the whole foreground process group: the self-launcher and its workers
+get it directly, and the workers get it again, milliseconds later, from the launcher. So a SIGINT
+within ``REPEAT_WINDOW_S`` of the first signal is the same request; a later one aborts at once,
+without saving (the previous checkpoint stays intact: checkpoints are written atomically). So does a
+later SIGTERM after a Ctrl-C: torchrun passes a second Ctrl-C on to its workers as SIGTERM. After a
+SIGTERM, only Ctrl-C aborts: a scheduler may send SIGTERM more than once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# A repeat of Ctrl-C within this many seconds of the first signal is the same request (the
+# terminal's copy and the launcher's forwarded copy); a later one aborts.
+REPEAT_WINDOW_S = 1.0
+# On a second Ctrl-C the self-launcher gives its workers this long to exit, then SIGKILLs them (a
+# worker blocked in a collective runs no Python code, so it cannot act on the signal).
+ABORT_GRACE_S = 2.0
+# sysexits.h EX_TEMPFAIL, "try again later": the self-launcher stopped cleanly after saving a
+# checkpoint, and the same command with trainer.resume=<run dir> continues. Requeue scripts can tell
+# it from 0 (finished), 1 (failed) and 130 (aborted, or killed by SIGINT).
+STOPPED_EXIT_CODE = 75
+ABORTED_EXIT_CODE = 130
+# Set in the self-launcher once a stop is requested: workers it starts afterwards (a restart after
+# a failure) begin with the request already made.
+STOP_ENV = "DDPTRAIN_STOP_SIGNAL"
+# Keys ``Trainer.fit`` adds to its result when it stopped on a signal.
+STOPPED_BY = "stopped_by"
+STOPPED_AT_STEP = "stopped_at_step"
+
+
+class Aborted(KeyboardInterrupt):
+    """A second Ctrl-C in the self-launcher: the workers have ended, nothing more is saved.
+
+    A KeyboardInterrupt, so that elastic's ``except Exception`` clauses let it through.
+    """
+
+
+class StopRequest:
+    """The first stop signal this process received; the training loop reads ``requested`` at each step."""
+
+    def __init__(self, signum: signal.Signals | None = None) -> None:
+        self.signal = signum
+        self.at = time.monotonic()
+        self.aborting = False
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    def note(self, signum: int) -> str:
+        """Record a signal.
+
+        Returns:
+            ``"stop"`` for the first; ``"abort"`` for a SIGINT, or any signal after a first SIGINT,
+            more than REPEAT_WINDOW_S after the first; ``"repeat"`` for anything else (the same
+            request again).
+        """
+        now = time.monotonic()
+        if self.signal is None:
+            self.signal, self.at = signal.Signals(signum), now
+            return "stop"
+        after_ctrl_c = signal.SIGINT in (signum, self.signal)
+        if after_ctrl_c and now - self.at > REPEAT_WINDOW_S and not self.aborting:
+            self.aborting = True
+            return "abort"
+        return "repeat"
+
+    def report(self, step: int) -> dict[str, Any]:
+        """What ``fit`` adds to its result: which signal (this rank may not have received one), and the step."""
+        by = self.signal.name if self.signal is not None else "a signal to another rank"
+        return {STOPPED_BY: by, STOPPED_AT_STEP: step}
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: StopRequest | None = None) -> Iterator[StopRequest]:
+    """In a worker: turn SIGTERM and a first Ctrl-C into a request to checkpoint and stop; a second Ctrl-C aborts.
+
+    Args:
+        stop: the request of an enclosing use (so the saving after the loop still counts repeats
+            from the first signal); default a new one, already made when the launcher set STOP_ENV.
+
+    Yields:
+        The request. On exit the previous handlers come back, or, once a stop is under way, both
+        signals are ignored (see ``_restore``). Outside the main thread (where Python cannot set
+        handlers) nothing is installed.
+    """
+    if stop is None:
+        from_launcher = os.environ.get(STOP_ENV)
+        stop = StopRequest(signal.Signals[from_launcher] if from_launcher in signal.Signals.__members__ else None)
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    owner = os.getpid()
+
+    def handle(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:  # a forked child (a DataLoader worker) inherited the handler: not its business
+            return
+        what = stop.note(signum)
+        if what == "stop":
+            log.warning(
+                "%s: finishing this step, saving a checkpoint, then stopping (Ctrl-C again to abort)",
+                signal.Signals(signum).name,
+            )
+        elif what == "abort":
+            log.warning("%s after Ctrl-C: aborting without saving", signal.Signals(signum).name)
+            # SystemExit, not KeyboardInterrupt: the process exits normally, without a traceback,
+            # and multiprocessing releases its semaphores (no resource_tracker warning).
+            raise SystemExit(ABORTED_EXIT_CODE)
+
+    previous = {s: signal.signal(s, handle) for s in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        _restore(previous, stop)
+
+
+@contextlib.contextmanager
+def forward_to_workers() -> Iterator[StopRequest]:
+    """In the self-launcher: pass SIGTERM / a first Ctrl-C on to the workers; a second Ctrl-C ends them.
+
+    The workers are this process's multiprocessing children (elastic's agent starts them with
+    ``spawn``). Elastic must be told to leave SIGTERM and SIGINT alone
+    (``LaunchConfig.signals_to_handle``), or it replaces these handlers. On a second Ctrl-C the
+    workers get it too and exit; those still running after ABORT_GRACE_S are killed.
+
+    Yields:
+        The request (``requested`` once a signal came).
+
+    Raises:
+        Aborted: a second Ctrl-C, once the workers have ended.
+    """
+    stop = StopRequest()
+
+    def handle(signum: int, frame: Any) -> None:
+        what = stop.note(signum)
+        workers = multiprocessing.active_children()
+        if what == "stop":
+            os.environ[STOP_ENV] = signal.Signals(signum).name
+            for worker in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signum)
+        elif what == "abort":
+            for worker in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGINT)
+            deadline = time.monotonic() + ABORT_GRACE_S
+            for worker in workers:
+                worker.join(timeout=max(0.0, deadline - time.monotonic()))
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join(timeout=10)
+            raise Aborted
+
+    previous = {s: signal.signal(s, handle) for s in STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        _restore(previous, stop)
+        os.environ.pop(STOP_ENV, None)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """``worker_init_fn`` of the DataLoader: its workers ignore SIGTERM and Ctrl-C.
+
+    A terminal's Ctrl-C, or a scheduler signalling every process of the job, also reaches the
+    loader's workers; they must not die mid-epoch while the training process finishes its step and
+    saves. The training process ends them when it stops.
+    """
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def _restore(previous: dict[signal.Signals, Any], stop: StopRequest) -> None:
+    """The handlers from before; but once a stop is under way, the process is about to exit, and a late
+    signal (the launcher's copy of a Ctrl-C, another Ctrl-C) must not interrupt that with a
+    KeyboardInterrupt traceback or kill it: ignore them."""
+    for signum, handler in previous.items():
+        signal.signal(signum, signal.SIG_IGN if stop.requested else handler)
+
+
+def stopped_line(how: str, run_dir: Path, step: int | None) -> str:
+    """The one line that says how a run ended early, where its checkpoint is and how to resume.
+
+    Args:
+        how: e.g. ``"stopped by SIGTERM"``.
+        run_dir: the run directory.
+        step: the step the run stopped after; None when it stopped before training began.
+    """
+    where = f" at step {step}" if step is not None else ""
+    latest = run_dir / "checkpoints" / "latest"
+    if not latest.is_file():
+        return f"ddptrain: {how}{where}; no checkpoint yet: start the run again from the beginning"
+    checkpoint = run_dir / "checkpoints" / latest.read_text().strip()
+    return f"ddptrain: {how}{where}; checkpoint {checkpoint}; resume with trainer.resume={run_dir}"

@@ -1,0 +1,101 @@
+"""Runs that cannot work end in seconds, through the real CLI, with the key and the fix, and leave nothing running."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import QWEN2_TOKENIZER, RUN_TAG, processes_mentioning, requires_shared, run_ddptrain
+
+pytestmark = pytest.mark.e2e
+WALL_LIMIT_S = 30
+
+
+def processes_left_behind(marker: str, grace_s: float = 5.0) -> list[str]:
+    """Processes of the run still alive ``grace_s`` after the CLI returned (then killed, so they do not linger).
+
+    Self-launched workers are spawned as ``python -c "from multiprocessing.spawn import ..."``: their
+    command line names no output folder (``pgrep -f <output_dir>`` finds the launcher only), but they
+    inherit ``RUN_TAG``, the run's command line, in their environment, which ``processes_mentioning`` reads.
+    """
+    deadline = time.monotonic() + grace_s
+    while (left := processes_mentioning(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for process in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(process.split(":", 1)[0]), signal.SIGKILL)
+    return left
+
+
+def run_marked(args: list[str], tmp_path: Path) -> tuple[str, str, float, int]:
+    """Run the CLI with a unique output folder as the marker: (output, marker, seconds, return code)."""
+    marker = f"refusal-{uuid.uuid4().hex}"
+    start = time.monotonic()
+    try:
+        result = run_ddptrain([*args, f"trainer.output_dir={tmp_path / marker}"], timeout=120)
+    except subprocess.TimeoutExpired:
+        left = processes_left_behind(marker, grace_s=0)  # subprocess.run killed the launcher only
+        pytest.fail(f"still running after 120 s; killed {len(left)} leftover processes: {left}")
+    elapsed = time.monotonic() - start
+    return result.stdout + result.stderr, marker, elapsed, result.returncode
+
+
+def test_the_leftover_check_sees_a_process_marked_only_in_its_environment() -> None:
+    """The no-process-left-behind checks below can fail: a live process tagged like a spawned worker is found."""
+    marker = f"refusal-{uuid.uuid4().hex}"
+    sleeper = subprocess.Popen(["sleep", "60"], env={**os.environ, RUN_TAG: f"python -m ddptrain {marker}"})
+    try:
+        assert [p.split(":", 1)[0] for p in processes_left_behind(marker, grace_s=0.5)] == [str(sleeper.pid)]
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        sleeper.kill()
+    assert not processes_mentioning(marker)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="parallel.backend=auto picks nccl on a CUDA machine")
+def test_bf16_compress_on_cpu_is_refused_before_any_worker_starts(tmp_path) -> None:
+    output, marker, elapsed, rc = run_marked(["parallel.comm_hook=bf16_compress"], tmp_path)
+    assert rc != 0, output[-3000:]
+    assert elapsed < WALL_LIMIT_S, output[-3000:]
+    assert "ddptrain: invalid configuration:" in output
+    assert (
+        "parallel.comm_hook=bf16_compress needs NCCL (PyTorch's hook refuses gloo), but parallel.backend=auto "
+        "means gloo here (trainer.device=auto and no CUDA device is visible): "
+        "use parallel.comm_hook=fp16_compress (or none) on CPU"
+    ) in output
+    assert "starting 2 workers" not in output
+    assert "Traceback" not in output
+    assert not processes_left_behind(marker)
+
+
+def test_bf16_compress_with_trainer_device_cpu_is_refused_before_any_worker_starts(tmp_path) -> None:
+    output, marker, elapsed, rc = run_marked(["parallel.comm_hook=bf16_compress", "trainer.device=cpu"], tmp_path)
+    assert rc != 0 and elapsed < WALL_LIMIT_S, output[-3000:]
+    assert "parallel.backend=auto means gloo with trainer.device=cpu: use parallel.comm_hook=fp16_compress" in output
+    assert "starting 2 workers" not in output and "Traceback" not in output
+    assert not processes_left_behind(marker)
+
+
+@requires_shared
+def test_a_tokenizer_the_model_cannot_embed_stops_the_run_with_the_fix(tmp_path) -> None:
+    # The default tiny model (4,352 embeddings) with the full Qwen2 tokenizer; few rows, as the data is not the point.
+    args = [f"model.tokenizer={QWEN2_TOKENIZER}", "data.max_rows=64", "trainer.progress_bar=false"]
+    output, marker, elapsed, rc = run_marked(args, tmp_path)
+    assert rc != 0, output[-3000:]
+    assert elapsed < WALL_LIMIT_S, output[-3000:]
+    assert "IndexError" not in output, "the run reached the embedding"
+    # The launcher's closing summary (what the user reads last) carries the whole message.
+    summary = output[output.rindex("ddptrain: training failed:") :]
+    assert f"model.tokenizer={QWEN2_TOKENIZER} has 151,646 tokens" in summary
+    assert "ddptrain/assets/tiny_qwen2 embeds only 4,352 token ids" in summary
+    assert "Use the model's own tokenizer" in summary
+    assert "pick a model whose vocabulary covers this tokenizer (at least 151,646 embeddings)" in summary
+    assert not processes_left_behind(marker)

@@ -1,0 +1,278 @@
+"""Stopping a run by signal, through the real entrypoint: SIGTERM or a first Ctrl-C saves a checkpoint and ends
+the run within seconds, with one line that says how to resume, and resuming ends bit-identical to a run that
+never stopped; a second Ctrl-C aborts at once."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from ddptrain.signals import ABORTED_EXIT_CODE, REPEAT_WINDOW_S, STOPPED_EXIT_CODE
+from tests.conftest import REPO, RUN_TAG, processes_mentioning, read_metrics, run_ddptrain, run_dirs
+
+pytestmark = pytest.mark.e2e
+
+ARGS = [
+    "data.max_rows=1200",
+    "data.eval_fraction=0",
+    "trainer.max_steps=60",
+    "trainer.progress_bar=false",
+    "trainer.log_every_n_steps=1",
+    "parallel.timeout_s=60",
+]
+TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
+SIGNAL_AFTER_STEP = 4
+STOP_WITHIN_S = 10  # from the signal to the end of the last process of the run
+STARTUP_S = 180  # generous: a run takes ~10 s to start on an idle 2-core machine, much longer on a busy one
+
+
+def adapter_weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    """The final adapter of the same run, never stopped."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    result = run_ddptrain([*ARGS, f"trainer.output_dir={out}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = run_dirs(out)
+    return adapter_weights(run)
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid``, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """The training processes: the launcher's children (elastic's spawned workers, or torchrun's), other than
+    multiprocessing's resource tracker."""
+    workers = []
+    for pid in children(launcher_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if b"resource_tracker" not in cmdline:
+            workers.append(pid)
+    return workers
+
+
+def to_launcher(sig: int) -> Callable[[subprocess.Popen], None]:
+    return lambda proc: os.kill(proc.pid, sig)
+
+
+def to_process_group(sig: int) -> Callable[[subprocess.Popen], None]:
+    """As a terminal does: every process in the foreground process group (the child leads its own)."""
+    return lambda proc: os.killpg(proc.pid, sig)
+
+
+def to_workers(sig: int) -> Callable[[subprocess.Popen], None]:
+    """As a scheduler's pre-emption does: the training processes themselves."""
+
+    def send(proc: subprocess.Popen) -> None:
+        workers = worker_pids(proc.pid)
+        assert len(workers) == 2, f"expected 2 workers, found {workers}"
+        for pid in workers:
+            os.kill(pid, sig)
+
+    return send
+
+
+class SignalledRun:
+    """``command`` in its own session, signalled once its metrics reach ``after_step``; output to a file."""
+
+    def __init__(self, command: list[str], output_dir: Path, log: Path) -> None:
+        self.output_dir, self.log = output_dir, log
+        self.tag = uuid.uuid4().hex  # every process of the run inherits it: see no_process_left
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", RUN_TAG: self.tag}
+        env.pop("MASTER_PORT", None)
+        with log.open("w") as sink:
+            self.proc = subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_for_step(self, step: int) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"the run ended before step {step}:\n{self.output()[-3000:]}"
+            dirs = run_dirs(self.output_dir) if self.output_dir.exists() else []
+            if dirs and (dirs[0] / "metrics.jsonl").exists():
+                logged = [r["step"] for r in read_metrics(dirs[0]) if "loss" in r]
+                if logged and logged[-1] >= step:
+                    return
+            time.sleep(0.02)
+        pytest.fail(f"no step {step} within {STARTUP_S} s:\n{self.output()[-3000:]}")
+
+    def seconds_to_exit(self, since: float) -> float:
+        self.proc.wait(timeout=120)
+        return time.monotonic() - since
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def no_process_left(self) -> list[str]:
+        """Processes of this run still alive a few seconds after the launcher ended (none expected)."""
+        deadline = time.monotonic() + 5
+        while (left := processes_mentioning(self.tag)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
+    def kill(self) -> None:
+        """Teardown: SIGKILL whatever of the run is still alive."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for line in processes_mentioning(self.tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+CASES = {
+    # id: (launcher, how the signal is sent, the signal, expected exit code)
+    "self-launch-SIGTERM-to-launcher": ("self", to_launcher, signal.SIGTERM, STOPPED_EXIT_CODE),
+    "self-launch-SIGTERM-to-workers": ("self", to_workers, signal.SIGTERM, STOPPED_EXIT_CODE),
+    "self-launch-SIGINT-to-launcher": ("self", to_launcher, signal.SIGINT, STOPPED_EXIT_CODE),
+    "self-launch-Ctrl-C": ("self", to_process_group, signal.SIGINT, STOPPED_EXIT_CODE),
+    "torchrun-SIGTERM-to-workers": ("torchrun", to_workers, signal.SIGTERM, 0),
+    # torchrun puts each worker in its own session: a terminal's Ctrl-C reaches torchrun alone, which
+    # forwards it to the workers, waits for them, then ends with its own SignalException (exit code 1).
+    "torchrun-Ctrl-C": ("torchrun", to_process_group, signal.SIGINT, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_signal_saves_a_checkpoint_stops_within_seconds_and_resumes_bit_identical(
+    tmp_path, uninterrupted, case
+) -> None:
+    launcher, send, sig, expected_exit = CASES[case]
+    out = tmp_path / "run"
+    command = [*(TORCHRUN if launcher == "torchrun" else [sys.executable]), "-m", "ddptrain", *ARGS]
+    run = SignalledRun([*command, f"trainer.output_dir={out}"], out, tmp_path / "output.log")
+    try:
+        run.wait_for_step(SIGNAL_AFTER_STEP)
+        sent = time.monotonic()
+        send(sig)(run.proc)
+        seconds = run.seconds_to_exit(sent)
+        left = run.no_process_left()
+    finally:
+        run.kill()
+    output = run.output()
+    print(f"{case}: signal to exit {seconds:.2f} s")
+    assert run.proc.returncode == expected_exit, output[-3000:]
+    assert seconds < STOP_WITHIN_S, f"the run ended {seconds:.1f} s after {sig.name}:\n{output[-3000:]}"
+    assert not left, f"processes left behind: {left}"
+    assert "Unable to shutdown" not in output, output[-3000:]
+    if launcher == "torchrun" and send is to_process_group:
+        # The only traceback is torchrun's own; the workers stopped cleanly (no KeyboardInterrupt).
+        assert output.count("Traceback") == 1 and "KeyboardInterrupt" not in output, output[-5000:]
+        torchrun_traceback = output.split("Traceback", 1)[1]
+        assert "torch/distributed/run.py" in torchrun_traceback, output[-5000:]
+        assert re.search(r"SignalException: Process \d+ got signal: 2", torchrun_traceback), output[-5000:]
+    else:
+        assert "Traceback" not in output, output[-5000:]
+
+    (run_dir,) = run_dirs(out)
+    stopped_at = read_metrics(run_dir)[-1]["step"]
+    checkpoint = run_dir / "checkpoints" / f"step-{stopped_at:08d}"
+    assert SIGNAL_AFTER_STEP <= stopped_at < 60
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == [checkpoint.name]
+    assert (checkpoint / "manifest.json").is_file()
+    assert not (run_dir / "adapter").exists(), "a stopped run is not finished: no final adapter"
+    assert f"stopped by {sig.name} at step {stopped_at}" in (run_dir / "train.log").read_text()
+    line = f"ddptrain: stopped by {sig.name} at step {stopped_at}; checkpoint {checkpoint}; "
+    assert output.count(f"{line}resume with trainer.resume={run_dir}\n") == 1, output[-3000:]
+
+    resumed = run_ddptrain([*ARGS, f"trainer.resume={run_dir}", f"trainer.output_dir={tmp_path}/resumed"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    (resumed_dir,) = run_dirs(tmp_path / "resumed")
+    assert min(r["step"] for r in read_metrics(resumed_dir)) == stopped_at + 1
+    final = adapter_weights(resumed_dir)
+    assert final.keys() == uninterrupted.keys()
+    assert all((final[k] == uninterrupted[k]).all() for k in final), "resumed run differs from the uninterrupted one"
+
+
+def test_ctrl_c_again_within_the_window_is_the_same_request(tmp_path) -> None:
+    """The workers get a terminal's Ctrl-C twice, from the terminal and forwarded by the launcher, usually
+    too close together for Python to run its handler twice; a repeat well inside the window (as from a slow
+    forward, or a key pressed twice) must still stop the run cleanly, not abort it."""
+    out = tmp_path / "run"
+    run = SignalledRun([sys.executable, "-m", "ddptrain", *ARGS, f"trainer.output_dir={out}"], out, tmp_path / "log")
+    try:
+        run.wait_for_step(SIGNAL_AFTER_STEP)
+        sent = time.monotonic()
+        os.killpg(run.proc.pid, signal.SIGINT)
+        time.sleep(REPEAT_WINDOW_S / 3)
+        os.killpg(run.proc.pid, signal.SIGINT)
+        seconds = run.seconds_to_exit(sent)
+        left = run.no_process_left()
+    finally:
+        run.kill()
+    output = run.output()
+    assert run.proc.returncode == STOPPED_EXIT_CODE, output[-3000:]
+    assert seconds < STOP_WITHIN_S and not left, (seconds, left)
+    assert "Traceback" not in output and "aborting" not in output, output[-5000:]
+    (run_dir,) = run_dirs(out)
+    stopped_at = read_metrics(run_dir)[-1]["step"]
+    assert [p.name for p in run_dir.glob("checkpoints/step-*")] == [f"step-{stopped_at:08d}"]
+    assert output.count(f"ddptrain: stopped by SIGINT at step {stopped_at}; checkpoint ") == 1, output[-3000:]
+
+
+@pytest.mark.parametrize("launcher", ["self-launch", "torchrun"])
+def test_a_second_ctrl_c_aborts_at_once(tmp_path, launcher) -> None:
+    """Ctrl-C twice, further apart than the window that folds the terminal's and the launcher's copies of one
+    Ctrl-C into one: the run ends at once, without saving. Torchrun passes the second Ctrl-C on as SIGTERM.
+    One-row micro-batches, a whole epoch (600 of them, ~5 s on an idle machine) per step, make sure that the
+    stop the first Ctrl-C asked for (finish the step, run one more, save) is still under way when the second
+    one comes."""
+    out = tmp_path / "run"
+    command = [*(TORCHRUN if launcher == "torchrun" else [sys.executable]), "-m", "ddptrain", *ARGS]
+    slow_steps = ["data.micro_batch_size=1", "optim.grad_accum_steps=600"]
+    run = SignalledRun([*command, *slow_steps, f"trainer.output_dir={out}"], out, tmp_path / "log")
+    try:
+        run.wait_for_step(1)
+        os.killpg(run.proc.pid, signal.SIGINT)
+        time.sleep(REPEAT_WINDOW_S + 0.3)
+        assert run.proc.poll() is None, "the run stopped before the second Ctrl-C: make its steps longer"
+        sent = time.monotonic()
+        os.killpg(run.proc.pid, signal.SIGINT)
+        seconds = run.seconds_to_exit(sent)
+        left = run.no_process_left()
+    finally:
+        run.kill()
+    output = run.output()
+    print(f"{launcher}: second Ctrl-C to exit {seconds:.2f} s")
+    assert seconds < 4, f"the run ended {seconds:.1f} s after the second Ctrl-C:\n{output[-3000:]}"
+    assert not left, f"processes left behind: {left}"
+    assert "aborting without saving" in output and "leaked" not in output, output[-5000:]
+    (run_dir,) = run_dirs(out)
+    assert not list(run_dir.glob("checkpoints/step-*")), "an aborted run saves nothing"
+    if launcher == "torchrun":
+        # torchrun ends with its own SignalException (twice, chained); the workers print no traceback.
+        assert run.proc.returncode == 1, output[-3000:]
+        assert "KeyboardInterrupt" not in output, output[-5000:]
+        assert output.count("Traceback") == output.count("SignalException: Process"), output[-5000:]
+    else:
+        assert run.proc.returncode == ABORTED_EXIT_CODE, output[-3000:]
+        assert "Traceback" not in output, output[-5000:]
+        assert output.count("ddptrain: aborted by a second Ctrl-C; no checkpoint yet") == 1, output[-3000:]
