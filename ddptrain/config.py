@@ -6,9 +6,10 @@ config, before any worker starts. Checks that relate several fields live in
 ``validate``; it reports every problem at once, naming keys as the user types them.
 
 This module imports neither torch nor transformers: config errors must surface in
-well under a second. The one exception is parallel.comm_hook=bf16_compress with
-parallel.backend=auto and trainer.device=auto, where only torch can say whether the
-workers will get CUDA (and so NCCL); torch is imported lazily for that case alone.
+well under a second. The exceptions are parallel.comm_hook=bf16_compress with
+parallel.backend=auto, and model.attn_implementation=flash_attention_2, each with
+trainer.device=auto, where only torch can say whether the workers will get CUDA;
+torch is imported lazily for those cases alone.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class ModelConfig:
     dtype: DType = DType.fp32
     """Storage dtype of the frozen base weights (LoRA weights always stay fp32)."""
     attn_implementation: Attention = Attention.sdpa
-    """transformers attention kernel. Each keeps packed samples apart through their position_ids."""
+    """transformers attention kernel. Each keeps packed samples apart through their position_ids.
+    flash_attention_2 needs a CUDA device and fp16/bf16 (model.dtype or trainer.precision)."""
     lora: bool = True
     """Train LoRA adapters; false = full fine-tune of every parameter."""
     lora_rank: int = 16
@@ -175,6 +177,7 @@ class ParallelConfig:
     find_unused_parameters: bool = False
     """Only when some trainable parameter gets no gradient (the pre-flight says when)."""
     static_graph: bool = False
+    """DDP's static-graph mode; refused with optim.grad_accum_steps > 1 (PyTorch's reducer asserts under no_sync)."""
     gradient_as_bucket_view: bool = True
     """Gradients alias DDP's all-reduce buckets: saves one gradient copy of memory."""
     comm_hook: CommHook = CommHook.none
@@ -249,7 +252,7 @@ def validate(cfg: RunConfig) -> None:
     problems = (
         _check_model(cfg.model, cfg.parallel, cfg.trainer)
         + _check_data(cfg.data)
-        + _check_parallel(cfg.parallel, cfg.trainer)
+        + _check_parallel(cfg.parallel, cfg.trainer, cfg.optim.grad_accum_steps)
         + _check_optim(cfg.optim)
         + _check_trainer(cfg.trainer)
     )
@@ -285,6 +288,8 @@ def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainerConfig) -> list[st
             "model.liger_kernel=true needs a CUDA device (Liger's kernels are Triton GPU kernels), but "
             "trainer.device=cpu: set model.liger_kernel=false or train on GPUs."
         )
+    if m.attn_implementation == Attention.flash_attention_2:
+        problems += _check_flash_attention(m, t)
     if m.dtype == DType.fp16 and not m.lora:
         problems.append(
             "model.dtype=fp16 with model.lora=false trains fp16 weights, which GradScaler cannot unscale: "
@@ -292,6 +297,28 @@ def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainerConfig) -> list[st
         )
     if not 0.0 <= m.lora_dropout < 1.0:
         problems.append(f"model.lora_dropout={m.lora_dropout} must be in [0, 1).")
+    return problems
+
+
+def _check_flash_attention(m: ModelConfig, t: TrainerConfig) -> list[str]:
+    """flash-attn's kernels take fp16/bf16 tensors on a CUDA device only."""
+    problems = []
+    if m.dtype == DType.fp32 and t.precision == DType.fp32:
+        problems.append(
+            "model.attn_implementation=flash_attention_2 needs fp16/bf16 activations, but model.dtype=fp32 "
+            "and trainer.precision=fp32: set trainer.precision=bf16 (or model.dtype=bf16), "
+            "or use model.attn_implementation=sdpa."
+        )
+    if t.device == Device.cpu:
+        why = "trainer.device=cpu"
+    elif t.device == Device.auto and not _cuda_available():
+        why = "trainer.device=auto means cpu here (no CUDA device is visible)"
+    else:
+        return problems
+    problems.append(
+        f"model.attn_implementation=flash_attention_2 needs a CUDA device, but {why}: "
+        "use model.attn_implementation=sdpa on CPU, or train on GPUs."
+    )
     return problems
 
 
@@ -322,8 +349,16 @@ def _check_data(d: DataConfig) -> list[str]:
     return problems
 
 
-def _check_parallel(p: ParallelConfig, t: TrainerConfig) -> list[str]:
+def _check_parallel(p: ParallelConfig, t: TrainerConfig, grad_accum_steps: int) -> list[str]:
     problems = _positive({"parallel.nproc_per_node": p.nproc_per_node, "parallel.timeout_s": p.timeout_s})
+    if p.static_graph and grad_accum_steps > 1:
+        # PyTorch's reducer with static_graph does not expect no_sync micro-steps: the first backward
+        # dies with "expect_autograd_hooks_ INTERNAL ASSERT FAILED" (reducer.cpp).
+        problems.append(
+            f"parallel.static_graph=true with optim.grad_accum_steps={grad_accum_steps} crashes DDP at the first "
+            "backward (PyTorch's static graph does not support no_sync accumulation): set "
+            "parallel.static_graph=false, or optim.grad_accum_steps=1."
+        )
     # Only bf16_compress needs the backend that parallel.backend=auto will pick (and so, maybe, torch).
     if p.comm_hook == CommHook.bf16_compress and _resolved_backend(p.backend, t.device) == Backend.gloo:
         if p.backend == Backend.gloo:

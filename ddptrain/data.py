@@ -8,6 +8,7 @@ dataset carries a ``length`` column so the sampler never re-tokenizes.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 from collections.abc import Sequence
@@ -278,15 +279,26 @@ class Collator:
     """Pads rows to a common length, or concatenates a packed row with restarting position_ids.
 
     Packed rows get no attention mask: transformers then separates the samples by their
-    position_ids, so attention never crosses a sample boundary.
+    position_ids, so attention never crosses a sample boundary. With ``flash_varlen`` a packed
+    row also carries the cumulative sample lengths and the longest sample, which
+    flash-attention's varlen kernel takes; otherwise transformers derives them from the
+    position ids in every layer, each time waiting on the GPU.
+
+    Every batch carries ``target_index``: the flat positions (row × width + column) whose next
+    token is a target, found here on the CPU so that the loss never waits on the GPU for them.
     """
 
     pad_id: int
     pad_to_multiple_of: int = 8
     packed: bool = False
+    flash_varlen: bool = False
 
-    def __call__(self, rows: list[list[dict[str, list[int]]]]) -> dict[str, torch.Tensor]:
-        return self._pack(rows) if self.packed else self._pad(rows)
+    def __call__(self, rows: list[list[dict[str, list[int]]]]) -> dict[str, Any]:
+        batch = self._pack(rows) if self.packed else self._pad(rows)
+        next_is_target = batch["labels"][:, 1:] != IGNORE_INDEX
+        row, column = next_is_target.nonzero(as_tuple=True)
+        batch["target_index"] = row * batch["labels"].shape[1] + column
+        return batch
 
     def _pad(self, rows: list[list[dict[str, list[int]]]]) -> dict[str, torch.Tensor]:
         samples = [row[0] for row in rows]
@@ -302,7 +314,7 @@ class Collator:
             attention_mask[i, :n] = 1
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
-    def _pack(self, rows: list[list[dict[str, list[int]]]]) -> dict[str, torch.Tensor]:
+    def _pack(self, rows: list[list[dict[str, list[int]]]]) -> dict[str, Any]:
         assert len(rows) == 1, "a packed micro-batch is one row"
         input_ids: list[int] = []
         labels: list[int] = []
@@ -312,8 +324,14 @@ class Collator:
             # The first token of a sample must not be predicted from the previous sample.
             labels += [IGNORE_INDEX, *s["labels"][1:]]
             positions += range(len(s["input_ids"]))
-        return {
+        batch: dict[str, Any] = {
             "input_ids": torch.tensor([input_ids]),
             "labels": torch.tensor([labels]),
             "position_ids": torch.tensor([positions]),
         }
+        if self.flash_varlen:
+            lengths = [len(s["input_ids"]) for s in rows[0]]
+            starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            longest = max(lengths)
+            batch.update(cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=longest, max_length_k=longest)
+        return batch

@@ -7,10 +7,12 @@ forward (a loss computed outside the wrapper silently skips gradient sync).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +42,13 @@ def build_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def build_base_model(cfg: ModelConfig, seed: int) -> nn.Module:
+def build_base_model(cfg: ModelConfig, seed: int, device: torch.device | None = None) -> nn.Module:
     """The transformers causal LM: pretrained weights, or random weights from an architecture config.
 
     Random weights depend only on ``seed`` (and the transformers version), so every rank
-    builds the same model, and a test can build it again.
+    builds the same model, and a test can build it again. They are drawn on the CPU (the
+    same numbers whatever the device); pretrained weights load straight onto ``device``, so
+    N ranks on one node never hold N copies of the model in host memory.
     """
     dtype = TORCH_DTYPES[cfg.dtype]
     if cfg.init == ModelInit.random:
@@ -54,7 +58,10 @@ def build_base_model(cfg: ModelConfig, seed: int) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation.value)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path, dtype=dtype, attn_implementation=cfg.attn_implementation.value
+            cfg.name_or_path,
+            dtype=dtype,
+            attn_implementation=cfg.attn_implementation.value,
+            device_map=None if device is None else {"": str(device)},
         )
         model.config.use_cache = False
     return model
@@ -102,17 +109,64 @@ def apply_gradient_checkpointing(model: nn.Module, reentrant: bool = False) -> N
     model.enable_input_require_grads()
 
 
+def _chunk_loss(
+    h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's logits in fp32, turned in place into exp(logits - row max).
+
+    The GEMM runs in ``dtype`` (the weight's, or autocast's); the max, exp, sum and log in fp32.
+
+    Returns:
+        The (chunk x vocab) fp32 buffer of exp(logits - row max), its row sums, and the chunk's loss sum.
+    """
+    buffer = (h.to(dtype) @ weight.t()).float()
+    target_logit = buffer.gather(1, t[:, None]).squeeze(1)
+    row_max = buffer.amax(dim=-1, keepdim=True)
+    sum_exp = buffer.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
+    return buffer, sum_exp, (sum_exp.log() + row_max).squeeze(1).sub_(target_logit).sum()
+
+
+def _gemm_dtype(weight: torch.Tensor) -> torch.dtype:
+    """Autocast's dtype when autocast is on for the weight's device (what ``F.linear`` would use), else the weight's."""
+    device = weight.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def chunked_head_loss_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """Σ cross-entropy(hidden @ weightᵀ, targets) without gradients, ``chunk`` rows at a time (evaluation).
+
+    At most one (chunk x vocab) fp32 buffer exists at a time; the GEMM runs in autocast's dtype when it is on.
+    """
+    dtype = _gemm_dtype(weight)
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(dtype)
+        for start in range(0, hidden.shape[0], chunk):
+            loss += _chunk_loss(hidden[start : start + chunk], w, targets[start : start + chunk], dtype)[2]
+    return loss
+
+
 class ChunkedHeadLoss(torch.autograd.Function):
     """Σ cross-entropy(hidden @ weightᵀ, targets), computed ``chunk`` rows at a time.
 
     For each chunk, forward computes the fp32 logits, the loss, and right away the gradient
     of the loss sum w.r.t. the logits, (softmax − one-hot), which it turns into the gradients
     of ``hidden`` and (if trainable) ``weight`` before dropping the logits. Backward only
-    scales those saved gradients. Peak extra memory: one chunk × vocab fp32 tensor.
+    scales those saved gradients. Peak extra memory: one chunk × vocab fp32 tensor (under
+    autocast, plus its copy in autocast's dtype, and the weight's copy if the weight is fp32).
+
+    Precision: under autocast the three GEMMs (logits, grad_hidden, grad_weight) run in
+    autocast's dtype, as ``F.linear`` would; softmax, log-sum-exp and the sums over chunks
+    stay fp32. Without autocast the GEMMs run in the weight's dtype (grad_weight: fp32).
     """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        autocast = torch.is_autocast_enabled(hidden.device.type)
+        dtype = _gemm_dtype(weight)
+        w = weight.to(dtype)  # cast once, not once per chunk (a no-op without autocast)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -120,14 +174,16 @@ class ChunkedHeadLoss(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk):
                 h, t = hidden[start : start + chunk], targets[start : start + chunk]
                 # One (chunk x vocab) fp32 buffer, transformed in place: logits -> exp -> softmax -> gradient.
-                buffer = (h.to(weight.dtype) @ weight.t()).float()
-                target_logit = buffer.gather(1, t[:, None]).squeeze(1)
-                row_max = buffer.amax(dim=-1, keepdim=True)
-                sum_exp = buffer.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
-                loss += (sum_exp.log() + row_max).squeeze(1).sub_(target_logit).sum()
+                buffer, sum_exp, chunk_loss = _chunk_loss(h, w, t, dtype)
+                loss += chunk_loss
                 buffer.div_(sum_exp)[torch.arange(len(t), device=t.device), t] -= 1.0  # softmax - one_hot
-                grad_hidden[start : start + chunk] = (buffer.to(weight.dtype) @ weight).to(hidden.dtype)
-                if grad_weight is not None:
+                grad_logits = buffer.to(dtype)  # the buffer itself when dtype is fp32
+                grad_hidden[start : start + chunk] = (grad_logits @ w).to(hidden.dtype)
+                if grad_weight is None:
+                    continue
+                if autocast:  # each chunk's (vocab x hidden) product in autocast's dtype, their sum in fp32
+                    grad_weight += grad_logits.t() @ h.to(dtype)
+                else:
                     grad_weight.addmm_(buffer.t(), h.float())
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -136,8 +192,10 @@ class ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors
+        # Scale in fp32, then cast once: the scale (world_size / tokens) rounded to bf16 is up to 0.4% off.
+        scaled_hidden = (grad_hidden.float() * grad_loss.float()).to(grad_hidden.dtype)
         scaled_weight = None if grad_weight is None else (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), scaled_weight, None, None
+        return scaled_hidden, scaled_weight, None, None
 
 
 class CausalLMLoss(nn.Module):
@@ -163,26 +221,58 @@ class CausalLMLoss(nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        target_index: torch.Tensor | None = None,
+        **attention_kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss sum and number of target tokens (a CPU tensor) of a collated batch (``data.Collator``).
+
+        ``target_index`` (from the collator) names the positions whose next label is a target: it
+        belongs to the labels it was found in (pass None with other labels); ``attention_kwargs``
+        are flash-attention's varlen lengths of a packed row.
+        """
         hidden = self.decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **attention_kwargs,
         ).last_hidden_state
-        targets = labels[:, 1:]
-        is_target = targets != IGNORE_INDEX
-        target_hidden, target_ids = hidden[:, :-1][is_target], targets[is_target]
-        return self.head_loss(target_hidden, target_ids), is_target.sum()
+        return self.target_loss(hidden, labels, target_index)
+
+    # Eager under trainer.compile=true: the boolean mask gives a data-dependent shape (a graph break),
+    # and a compiled head would recompile for every new target count until dynamo's limit.
+    @torch.compiler.disable
+    def target_loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor, target_index: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss sum and count of the target tokens: the next-token labels that are not IGNORE_INDEX.
+
+        ``target_index``: flat positions (row × width + column) whose next label is a target. The
+        collator finds them on the CPU; without it they are found here, which waits on the GPU.
+        """
+        if target_index is None:
+            row, column = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
+            target_index = row * labels.shape[1] + column
+        target_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, target_index)
+        target_ids = labels.reshape(-1).index_select(0, target_index + 1)
+        # The count from the index's shape, on the CPU: reading it never waits on the GPU.
+        return self.head_loss(target_hidden, target_ids), torch.tensor(target_index.numel())
 
     def head_loss(self, hidden: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
         """Sum of cross-entropy losses of the LM head over target positions.
 
         With model.loss_chunk_tokens > 0 and a plain linear head, the head runs chunk by chunk
         and each chunk's gradient is formed at once, so the full (targets x vocab) logits never
-        exist: same FLOPs, a fraction of the memory (``ChunkedHeadLoss``).
+        exist: same FLOPs, a fraction of the memory (``ChunkedHeadLoss``). Without gradients
+        (evaluation) the chunks only sum the loss (``chunked_head_loss_sum``).
         """
         chunk = self.loss_chunk_tokens
+        weight = self.lm_head.weight
         plain_head = type(self.lm_head) is nn.Linear and self.lm_head.bias is None
-        if chunk > 0 and plain_head and torch.is_grad_enabled() and hidden.requires_grad:
-            return ChunkedHeadLoss.apply(hidden, self.lm_head.weight, target_ids, chunk)
+        if chunk > 0 and plain_head:
+            if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+                return ChunkedHeadLoss.apply(hidden, weight, target_ids, chunk)
+            return chunked_head_loss_sum(hidden, weight, target_ids, chunk)
         return F.cross_entropy(self.lm_head(hidden).float(), target_ids, reduction="sum")
 
     def full_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,29 +281,46 @@ class CausalLMLoss(nn.Module):
         return self.lm_head(hidden).float()
 
 
+# What ddptrain asks of Liger; each family's patch function takes the subset it knows (Gemma has
+# geglu where Llama and Qwen have swiglu). The loss stays ddptrain's (LM head on target positions
+# only), so Liger's cross-entropy patches stay off.
+LIGER_KERNELS = {
+    "rope": True,
+    "rms_norm": True,
+    "swiglu": True,
+    "geglu": True,
+    "layer_norm": True,
+    "cross_entropy": False,
+    "fused_linear_cross_entropy": False,
+}
+
+
 def apply_liger_kernel(cfg: ModelConfig, device: torch.device) -> None:
     """Patch the model family's transformers classes with Liger's fused kernels (before the model is built).
 
-    The loss stays ddptrain's (LM head on target positions only), so Liger's cross-entropy
-    patches are not used.
-
     Raises:
-        RuntimeError: no CUDA device, liger-kernel not installed, or an unsupported model family.
+        RuntimeError: no CUDA device, liger-kernel not installed (any other import error is shown
+            as it is), or an unsupported model family.
     """
     if device.type != "cuda":
         raise RuntimeError("model.liger_kernel=true needs a CUDA device: set model.liger_kernel=false on CPU.")
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-    except ImportError:
+    except ModuleNotFoundError as err:
+        if err.name != "liger_kernel":
+            raise  # liger-kernel is there but one of its own imports failed: that error says why
         raise RuntimeError(
             "model.liger_kernel=true but liger-kernel is not installed: pip install 'ddptrain[liger]'."
         ) from None
     model_type = AutoConfig.from_pretrained(cfg.config_path or cfg.name_or_path).model_type
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise RuntimeError(f"liger-kernel has no kernels for model type '{model_type}': set model.liger_kernel=false.")
-    MODEL_TYPE_TO_APPLY_LIGER_FN[model_type](
-        rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
-    )
+        raise RuntimeError(
+            f"liger-kernel has no kernels for model type '{model_type}' (model.name_or_path={cfg.name_or_path}): "
+            "set model.liger_kernel=false."
+        )
+    patch = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    accepted = inspect.signature(patch).parameters
+    patch(**{name: value for name, value in LIGER_KERNELS.items() if name in accepted})
 
 
 def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, model: nn.Module, cfg: ModelConfig) -> None:
@@ -260,7 +367,7 @@ def build_model(
     """
     if cfg.liger_kernel:
         apply_liger_kernel(cfg, device)
-    model = build_base_model(cfg, seed)
+    model = build_base_model(cfg, seed, device)
     if tokenizer is not None:
         check_tokenizer_fits(tokenizer, model, cfg)
     if cfg.lora:

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from ddptrain import checkpoint, parallel, signals
-from ddptrain.config import Batching, DType, RunConfig
+from ddptrain.config import Attention, Batching, DType, RunConfig
 from ddptrain.data import Collator, RowsDataset, TokenizedData, batch_token_counts, build_datasets
 from ddptrain.metrics import Stopwatch, build_metrics_logger, build_progress_bar
-from ddptrain.model import TORCH_DTYPES, CausalLMLoss, build_model, build_tokenizer
+from ddptrain.model import IGNORE_INDEX, TORCH_DTYPES, CausalLMLoss, build_model, build_tokenizer
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.parallel import DistEnv
 from ddptrain.sampler import BatchingSpec, DistributedBatchSampler
@@ -36,8 +36,9 @@ class StepResult:
     loss_sum: torch.Tensor  # on the device: read only when logging, so steps never wait on the GPU
     target_tokens: int
     grad_norm: torch.Tensor
-    skipped: bool
+    skipped: torch.Tensor | bool  # fp16: the GradScaler skipped this step (an overflow); on the device
     batch_tokens: list[tuple[int, int]]  # (real, padded) tokens of each micro-batch this rank trained on
+    stop_votes: torch.Tensor  # ranks that asked to stop (SIGTERM, Ctrl-C), summed over ranks; on the device
 
     @property
     def micro_steps(self) -> int:
@@ -55,19 +56,19 @@ class Window:
     loss_sum: torch.Tensor | float = 0.0
     target_tokens: int = 0
     batch_tokens: list[tuple[int, int]] = field(default_factory=list)
-    skipped: int = 0
+    skipped: torch.Tensor | int = 0
     steps: int = 0
 
     def add(self, result: StepResult) -> None:
         self.loss_sum = self.loss_sum + result.loss_sum.double()
         self.target_tokens += result.target_tokens
         self.batch_tokens += result.batch_tokens
-        self.skipped += int(result.skipped)
+        self.skipped = self.skipped + result.skipped
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
         """Plain numbers (the loss sum is read off the device): one rank's partial window for a checkpoint."""
-        return {**asdict(self), "loss_sum": float(self.loss_sum)}
+        return {**asdict(self), "loss_sum": float(self.loss_sum), "skipped": int(self.skipped)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_sum = float(state["loss_sum"])
@@ -130,6 +131,7 @@ class Trainer:
             pad_id=self.tokenizer.pad_token_id,
             pad_to_multiple_of=self.cfg.data.pad_to_multiple_of,
             packed=self.cfg.data.batching == Batching.packed,
+            flash_varlen=self.cfg.model.attn_implementation == Attention.flash_attention_2,
         )
         return torch.utils.data.DataLoader(
             RowsDataset(self.data.train),
@@ -178,12 +180,16 @@ class Trainer:
             len(self.sampler),
         )
         bar = build_progress_bar(self.cfg.trainer.progress_bar, self.env.is_rank_zero, self.total_steps, self.step)
-        watch, last = Stopwatch(), {}
+        watch, last, votes = Stopwatch(), {}, None
         with signals.stop_on_signals() as stop:
             while self.step < self.total_steps and not self.stopping:
                 for micro_batches in chunked(self.loader, self.cfg.optim.grad_accum_steps):
                     result = self.train_step(micro_batches, stop_requested=stop.requested)
                     self.window.add(result)
+                    # The previous step's stop vote, the same on every rank: by now its copy to the host
+                    # has long finished, so reading it never waits for this step's work on the device.
+                    self.stopping = votes is not None and votes.value() > 0
+                    votes = parallel.LateRead(result.stop_votes)
                     self.sampler.skip(result.micro_steps)
                     self.step += 1
                     bar.advance()
@@ -216,18 +222,18 @@ class Trainer:
         the number of target tokens in the global batch (all ranks, all micro-steps). Each
         rank back-propagates its loss sum × world_size / N; DDP then averages over ranks
         (÷ world_size), which leaves exactly Σ/N whatever the split into ranks and micro-steps.
-        The same all-reduce carries the SIGTERM flag, so every rank learns of a pre-emption
-        at the same step at no extra cost.
+        The same all-reduce carries the stop request (SIGTERM, Ctrl-C), so every rank learns of
+        it at the same step at no extra cost; the result holds the votes, read one step later.
+        Nothing here waits for the device: the counts go up and come back as device tensors.
         """
         # Counted on the CPU copies: no wait on the device.
-        local_tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro_batches)
+        local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
         batch_tokens = [batch_token_counts(b) for b in micro_batches]
         batches = [self._to_device(b) for b in micro_batches]
-        n_tokens, stops = parallel.all_reduce_sum(
-            torch.tensor([local_tokens, float(stop_requested)], dtype=torch.float64)
-        )
-        self.stopping = self.stopping or bool(stops > 0)
-        scale = self.env.world_size / n_tokens.clamp(min=1).to(self.env.device, torch.float32)
+        counts = torch.tensor([local_tokens, float(stop_requested)], dtype=torch.float64)
+        n_tokens, stop_votes = parallel.all_reduce_sum(counts.to(self.env.device, non_blocking=True))
+        # In fp32 (the scale is exact there), whatever the precision of the loss.
+        scale = self.env.world_size / n_tokens.clamp(min=1).float()
         loss_sum = torch.zeros((), device=self.env.device)
         for i, batch in enumerate(batches):
             with parallel.grad_sync(self.model, enabled=i == len(batches) - 1), self._autocast():
@@ -237,13 +243,15 @@ class Trainer:
         if self.step == 0:
             self.check_every_trainable_param_has_a_gradient()
         grad_norm = self._clip_gradients()
-        scale_before = self.scaler.get_scale()
+        # GradScaler lowers its scale (a device tensor, updated in place) exactly when it skips a step;
+        # get_scale() would copy it to the host and wait for the step to finish.
+        scale_before = self.scaler._scale.clone() if self.scaler.is_enabled() else None
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        skipped = self.scaler.is_enabled() and self.scaler.get_scale() < scale_before
-        return StepResult(loss_sum, local_tokens, grad_norm, skipped, batch_tokens)
+        skipped = self.scaler._scale < scale_before if scale_before is not None else False
+        return StepResult(loss_sum, local_tokens, grad_norm, skipped, batch_tokens, stop_votes)
 
     def _clip_gradients(self) -> torch.Tensor:
         self.scaler.unscale_(self.optimizer)
@@ -256,8 +264,9 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.env.device.type, dtype=TORCH_DTYPES[precision])
 
-    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Tensors to the device; plain numbers (flash-attention's max lengths) stay as they are."""
+        return {k: v.to(self.env.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     # ------------------------------------------------------------------ checks
 
@@ -312,7 +321,7 @@ class Trainer:
             "padding_fraction": 1.0 - real / max(padded, 1),
             "rank_imbalance": imbalance,
             "peak_rank_tokens": peak,
-            "skipped_steps": window.skipped,
+            "skipped_steps": int(window.skipped),
             # Per optimizer step and rank, as DDP's communication hook saw them.
             "allreduce_syncs_per_step": syncs / window.steps,
             "allreduce_calls_per_step": calls / window.steps,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -49,9 +50,62 @@ def pytest_runtest_setup(item) -> None:
         skip_or_fail(f"needs ../shared/data beside the repository; missing: {', '.join(missing)}")
 
 
+# Every run the suite starts names its device: trainer.device=auto (the default) would put a 2-rank run on
+# a machine with one GPU onto cuda and fail with "local rank 1 has no GPU". tests/gpu passes trainer.device=cuda.
+CPU_DEVICE = "trainer.device=cpu"
+
+
+def sets_device(args: list[str]) -> bool:
+    """Whether a list of Hydra overrides (or a command line) sets trainer.device."""
+    return any(str(a).lstrip("+~").startswith("trainer.device=") for a in args)
+
+
+def pin_device(overrides: list[str]) -> list[str]:
+    """``overrides`` with trainer.device=cpu added, unless they already set trainer.device."""
+    return list(overrides) if sets_device(overrides) else [*overrides, CPU_DEVICE]
+
+
+def check_device_set(command: str | bytes | os.PathLike | list) -> None:
+    """Fail the test when ``command`` runs ddptrain (``[torchrun ...] -m ddptrain``) without trainer.device=...
+
+    Raises:
+        pytest.fail.Exception: naming the command and the fix.
+    """
+    if isinstance(command, (str, bytes, os.PathLike)):
+        argv = os.fsdecode(command).split()
+    else:
+        argv = [os.fsdecode(a) for a in command]
+    runs_ddptrain = any(pair == ("-m", "ddptrain") for pair in itertools.pairwise(argv))
+    if (runs_ddptrain or (argv and Path(argv[0]).name == "ddptrain")) and not sets_device(argv):
+        pytest.fail(
+            f"this test runs ddptrain without trainer.device: {' '.join(argv)}\n"
+            "Start it with tests.conftest.run_ddptrain, or add trainer.device=cpu to its command "
+            "(trainer.device=auto fails 2-rank runs on a machine with one GPU).",
+            pytrace=False,
+        )
+
+
+class _DeviceCheckedPopen(subprocess.Popen):
+    """subprocess.Popen (and so subprocess.run) that first applies check_device_set."""
+
+    def __init__(self, args, *rest, **kwargs) -> None:
+        check_device_set(args)
+        super().__init__(args, *rest, **kwargs)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def runs_set_their_device():
+    """Fail any test (or fixture) that starts ddptrain in a subprocess without naming its device."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess, "Popen", _DeviceCheckedPopen)
+        yield
+
+
 def compose_config(overrides: list[str], config_name: str = "train", config_dir: Path | None = None) -> RunConfig:
-    """Compose and validate a run config as ``python -m ddptrain [--config-dir DIR --config-name NAME]`` does."""
+    """Compose and validate a run config as ``python -m ddptrain [--config-dir DIR --config-name NAME]`` does,
+    on trainer.device=cpu unless ``overrides`` set trainer.device."""
     register_configs()
+    overrides = pin_device(overrides)
     primary_dir = CONF_DIR
     if config_dir is not None:  # like --config-dir: the recipe is primary, conf/ stays on the search path
         primary_dir = str(config_dir)
@@ -72,8 +126,9 @@ RUN_TAG = "DDPTRAIN_TEST_COMMAND"
 def run_ddptrain(
     args: list[str], timeout: float = 300, launcher: list[str] | None = None
 ) -> subprocess.CompletedProcess:
-    """Run the real entrypoint in a subprocess (``python -m ddptrain`` unless ``launcher`` says otherwise)."""
-    command = (launcher or [sys.executable]) + ["-m", "ddptrain", *args]
+    """Run the real entrypoint in a subprocess (``python -m ddptrain`` unless ``launcher`` says otherwise),
+    on trainer.device=cpu unless ``args`` set trainer.device."""
+    command = (launcher or [sys.executable]) + ["-m", "ddptrain", *pin_device(args)]
     # Every process of the run inherits its command line in the environment, so that
     # assert_no_process_left also finds workers whose own command line does not show it (spawned ones).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", RUN_TAG: " ".join(command)}

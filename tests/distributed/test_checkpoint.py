@@ -37,6 +37,7 @@ COMMON = [
     "trainer.progress_bar=false",
     "trainer.log_every_n_steps=1",
     "parallel.timeout_s=60",
+    "trainer.device=cpu",  # also in the commands built below (not through run_ddptrain)
 ]
 STEPS_PER_EPOCH = 240 // 16  # 2 ranks x 8 rows, length_grouped drops nothing at 240 rows
 

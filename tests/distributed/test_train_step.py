@@ -198,3 +198,19 @@ def test_preflight_names_trainable_parameters_without_gradient(tmp_path) -> None
     for rank in (0, 1):
         message = (run_dir / f"error{rank}.txt").read_text()
         assert "unused_scale" in message and "parallel.find_unused_parameters=true" in message
+
+
+def test_ranks_with_different_frozen_weights_are_stopped_before_training(tmp_path) -> None:
+    """DDP's start-up broadcast is off (every rank loads the same files): a checksum of all weights,
+    frozen ones included, must catch a rank whose base model differs."""
+    from tests.distributed.workers_replicas import train_with_rank1_frozen_weight_changed
+
+    run_dir = tmp_path / "drift"
+    run_dir.mkdir()
+    cfg = compose_config(["parallel=ddp2", f"trainer.output_dir={tmp_path}", "trainer.max_steps=2", *TINY])
+    with pytest.raises(RuntimeError):
+        launch(cfg, run_dir, entrypoint=train_with_rank1_frozen_weight_changed)
+    assert not list(run_dir.glob("trained*.txt")), "training went ahead on different replicas"
+    for rank in (0, 1):
+        message = (run_dir / f"error{rank}.txt").read_text()
+        assert "the model's weights differs between ranks" in message and "model.name_or_path" in message

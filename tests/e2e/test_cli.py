@@ -111,7 +111,7 @@ def test_torchrun_two_ranks(tmp_path, datasets_cache) -> None:
 
 def test_two_runs_started_together_both_succeed(tmp_path) -> None:
     args = ["trainer.max_steps=3", "trainer.progress_bar=false", "data.max_rows=300", "parallel.timeout_s=60"]
-    args.append(f"trainer.output_dir={tmp_path}")
+    args += [f"trainer.output_dir={tmp_path}", "trainer.device=cpu"]
     command = [sys.executable, "-m", "ddptrain", *args]
     procs = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
     outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
@@ -206,7 +206,7 @@ def test_busy_master_port_fails_fast_with_the_fix(tmp_path) -> None:
         port = busy.getsockname()[1]
         start = time.monotonic()
         env_result = subprocess.run(
-            [sys.executable, "-m", "ddptrain", marker],
+            [sys.executable, "-m", "ddptrain", marker, "trainer.device=cpu"],
             capture_output=True,
             text=True,
             timeout=60,

@@ -62,7 +62,7 @@ def test_the_leftover_check_sees_a_process_marked_only_in_its_environment() -> N
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="parallel.backend=auto picks nccl on a CUDA machine")
 def test_bf16_compress_on_cpu_is_refused_before_any_worker_starts(tmp_path) -> None:
-    output, marker, elapsed, rc = run_marked(["parallel.comm_hook=bf16_compress"], tmp_path)
+    output, marker, elapsed, rc = run_marked(["parallel.comm_hook=bf16_compress", "trainer.device=auto"], tmp_path)
     assert rc != 0, output[-3000:]
     assert elapsed < WALL_LIMIT_S, output[-3000:]
     assert "ddptrain: invalid configuration:" in output

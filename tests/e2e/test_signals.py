@@ -30,6 +30,7 @@ ARGS = [
     "trainer.progress_bar=false",
     "trainer.log_every_n_steps=1",
     "parallel.timeout_s=60",
+    "trainer.device=cpu",  # SignalledRun builds its command itself (not through run_ddptrain)
 ]
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
 SIGNAL_AFTER_STEP = 4

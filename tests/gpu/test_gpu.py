@@ -1,10 +1,16 @@
-"""GPU checks (skipped without CUDA): the same entrypoint on cuda with nccl and bf16.
+"""GPU checks (skipped without CUDA): the risky paths of the real entrypoint on one GPU (two for nccl hooks).
 
-On a GPU machine: ``python -m pytest tests/gpu -q``; the throughput benchmark's GPU mode is
-``python -m ddptrain.bench.throughput --gpu ...`` (see bench/README.md).
+On a GPU machine: ``make gpu-check`` (these tests, then the GPU throughput benchmark, one table), or
+``python -m pytest tests/gpu -q`` alone. Each run is the bundled tiny model for 30 steps on
+``parallel=single`` (one process, no DDP wrapper: DDP over 2 ranks needs 2 GPUs); every run must finish
+with finite losses that fall, plus what is specific to its path.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,25 +22,121 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+STEPS = 30
+SINGLE_GPU = [
+    "parallel=single",
+    "trainer.device=cuda",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_every_n_steps=5",
+    "trainer.progress_bar=false",
+    "trainer.save_final=false",
+    "data.max_rows=1000",
+    "data.micro_batch_size=16",
+    "data.eval_fraction=0",
+]
+BF16 = ["model.dtype=bf16", "trainer.precision=bf16"]
+Train = Callable[..., list[dict]]
 
-def test_bf16_single_gpu_trains(tmp_path) -> None:
-    result = run_ddptrain(
-        ["parallel=single", "trainer.precision=bf16", "trainer.max_steps=30", "trainer.log_every_n_steps=10",
-         "trainer.progress_bar=false", f"trainer.output_dir={tmp_path}"]
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = run_dirs(tmp_path)
-    losses = [r["loss"] for r in read_metrics(run) if "loss" in r]
-    assert losses[-1] < losses[0]
+
+def has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.fixture(scope="module")
+def train(tmp_path_factory) -> Train:
+    """``train(*overrides)``: the logged training records of a finished single-GPU run (each run once per
+    module, so a reference run is shared by the tests that compare against it)."""
+    done: dict[tuple[str, ...], list[dict]] = {}
+
+    def run(*overrides: str) -> list[dict]:
+        if overrides not in done:
+            out = tmp_path_factory.mktemp("run")
+            result = run_ddptrain([*SINGLE_GPU, *overrides, f"trainer.output_dir={out}"], timeout=280)
+            assert result.returncode == 0, result.stderr[-3000:]
+            (run_dir,) = run_dirs(out)
+            done[overrides] = [r for r in read_metrics(run_dir) if "loss" in r]
+        return done[overrides]
+
+    return run
+
+
+def assert_trains(records: list[dict]) -> list[float]:
+    """Every logged window ran, every loss is finite, and the last two windows sit well below the first."""
+    assert [r["step"] for r in records] == list(range(5, STEPS + 1, 5))
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert (losses[-1] + losses[-2]) / 2 < losses[0] - 0.5, losses
+    return losses
+
+
+def assert_close(losses: list[float], reference: list[float], rel: float) -> None:
+    assert losses == pytest.approx(reference, rel=rel), f"{losses} vs reference {reference}"
+
+
+def test_fp32_reference_trains(train: Train) -> None:
+    records = train()
+    assert_trains(records)
+    assert sum(r["skipped_steps"] for r in records) == 0
+
+
+def test_fp16_base_with_lora_and_grad_scaler(train: Train) -> None:
+    records = train("model.dtype=fp16", "trainer.precision=fp16")
+    assert_trains(records)
+    skipped = sum(r["skipped_steps"] for r in records)
+    assert skipped < STEPS // 2, f"GradScaler skipped {skipped} of {STEPS} steps (overflow every step?)"
+
+
+def test_bf16_base_trains_without_a_scaler(train: Train) -> None:
+    records = train(*BF16)
+    assert_trains(records)
+    assert sum(r["skipped_steps"] for r in records) == 0, "bf16 needs no GradScaler, so no step is skipped"
+
+
+def test_bf16_autocast_over_fp32_base(train: Train) -> None:
+    assert_trains(train("trainer.precision=bf16"))
+
+
+@pytest.mark.skipif(not has_module("flash_attn"), reason="flash_attn is not installed (pip install flash-attn)")
+def test_flash_attention_with_packed_batches_matches_sdpa(train: Train) -> None:
+    """Packed rows carry several samples with no attention mask; position_ids alone keep them apart. flash's
+    losses track sdpa's on the same packed batches (bf16 noise only)."""
+    packed = ["data.batching=packed", "data.max_tokens_per_batch=4096", *BF16]
+    flash = assert_trains(train(*packed, "model.attn_implementation=flash_attention_2"))
+    assert_close(flash, assert_trains(train(*packed, "model.attn_implementation=sdpa")), rel=0.05)
+
+
+@pytest.mark.skipif(
+    not has_module("liger_kernel"), reason="liger_kernel is not installed (pip install 'ddptrain[liger]')"
+)
+def test_liger_kernel_trains_like_the_plain_model(train: Train) -> None:
+    liger = assert_trains(train(*BF16, "model.liger_kernel=true"))
+    assert_close(liger, assert_trains(train(*BF16)), rel=0.05)
+
+
+def test_compile_trains_like_eager(train: Train) -> None:
+    """Fused kernels round differently, so not bit-equal; a 10% change of optim.lr moves these losses ~1%."""
+    compiled = assert_trains(train("trainer.compile=true"))
+    assert_close(compiled, assert_trains(train()), rel=0.01)
+
+
+def test_gradient_checkpointing_recomputes_the_same_training(train: Train) -> None:
+    """Non-reentrant recomputation in fp32 gives the same gradients: the losses match the plain run's."""
+    checkpointed = assert_trains(train("model.gradient_checkpointing=true"))
+    assert_close(checkpointed, assert_trains(train()), rel=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (DDP over 2 ranks, nccl)")
 def test_two_gpus_nccl_with_bf16_compression(tmp_path) -> None:
     result = run_ddptrain(
-        ["parallel=ddp2", "parallel.comm_hook=bf16_compress", "trainer.precision=bf16", "trainer.max_steps=10",
-         "trainer.log_every_n_steps=5", "trainer.progress_bar=false", f"trainer.output_dir={tmp_path}"]
+        ["parallel=ddp2", "parallel.comm_hook=bf16_compress", "trainer.device=cuda", "trainer.precision=bf16",
+         f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=5", "trainer.progress_bar=false",
+         "trainer.save_final=false", "data.max_rows=1000", "data.eval_fraction=0", f"trainer.output_dir={tmp_path}"],
+        timeout=280,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = run_dirs(tmp_path)
     records = [r for r in read_metrics(run) if "loss" in r]
-    assert records[-1]["allreduce_syncs_per_step"] == 1.0
+    assert_trains(records)
+    assert all(r["allreduce_syncs_per_step"] == 1.0 for r in records)
+    # 2 bytes per LoRA gradient element (4 uncompressed): the tiny model's 77,824 trainable parameters.
+    assert all(r["allreduce_bytes_per_step"] == 155_648 for r in records)

@@ -111,7 +111,7 @@ def cuda_visible(monkeypatch: pytest.MonkeyPatch, available: bool) -> list[bool]
 def test_bf16_compress_with_backend_auto_and_no_cuda_is_refused_before_workers(monkeypatch) -> None:
     asked = cuda_visible(monkeypatch, False)
     with pytest.raises(ConfigError) as info:
-        compose_config(["parallel.comm_hook=bf16_compress"])  # parallel.backend=auto, trainer.device=auto
+        compose_config(["parallel.comm_hook=bf16_compress", "trainer.device=auto"])  # parallel.backend=auto
     (problem,) = info.value.problems
     assert problem.startswith("parallel.comm_hook=bf16_compress needs NCCL")
     assert "parallel.backend=auto means gloo here (trainer.device=auto and no CUDA device is visible)" in problem
@@ -128,7 +128,8 @@ def test_bf16_compress_with_backend_auto_on_cpu_is_refused_without_asking_torch(
 
 def test_bf16_compress_is_accepted_where_auto_picks_nccl(monkeypatch) -> None:
     asked = cuda_visible(monkeypatch, True)
-    assert compose_config(["parallel.comm_hook=bf16_compress"]).parallel.comm_hook == CommHook.bf16_compress
+    cfg = compose_config(["parallel.comm_hook=bf16_compress", "trainer.device=auto"])
+    assert cfg.parallel.comm_hook == CommHook.bf16_compress
     assert asked == [True]
     cuda_visible(monkeypatch, False)  # trainer.device=cuda: nccl whatever this machine has
     assert compose_config(["parallel.comm_hook=bf16_compress", "trainer.device=cuda"]).trainer.device == Device.cuda
@@ -189,3 +190,64 @@ def test_unknown_attention_kernel_is_refused() -> None:
     with pytest.raises(ConfigCompositionException) as info:
         compose_config(["model.attn_implementation=flex_attention"])
     assert "flex_attention" in str(info.value.__cause__)
+
+
+def test_static_graph_with_accumulation_is_refused_naming_both_keys() -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(["parallel.static_graph=true", "optim.grad_accum_steps=2"])
+    (problem,) = info.value.problems
+    assert problem.startswith("parallel.static_graph=true with optim.grad_accum_steps=2 crashes DDP")
+    assert "set parallel.static_graph=false, or optim.grad_accum_steps=1." in problem
+    assert compose_config(["parallel.static_graph=true"]).parallel.static_graph
+    assert compose_config(["optim.grad_accum_steps=2"]).optim.grad_accum_steps == 2
+
+
+FLASH = "model.attn_implementation=flash_attention_2"
+
+
+def test_flash_attention_in_fp32_is_refused_with_the_fix(monkeypatch) -> None:
+    cuda_visible(monkeypatch, True)
+    with pytest.raises(ConfigError) as info:
+        compose_config([FLASH, "trainer.device=cuda"])  # model.dtype=fp32, trainer.precision=fp32
+    (problem,) = info.value.problems
+    assert problem.startswith(f"{FLASH} needs fp16/bf16 activations, but model.dtype=fp32 and trainer.precision=fp32")
+    assert "set trainer.precision=bf16 (or model.dtype=bf16)" in problem
+    for half in (["trainer.precision=bf16"], ["trainer.precision=fp16"], ["model.dtype=bf16"]):
+        assert (
+            compose_config([FLASH, "trainer.device=cuda", *half]).model.attn_implementation.value == "flash_attention_2"
+        )
+
+
+def test_flash_attention_on_cpu_is_refused_without_asking_torch(monkeypatch) -> None:
+    asked = cuda_visible(monkeypatch, True)  # even with a GPU, trainer.device=cpu runs on the CPU
+    with pytest.raises(ConfigError) as info:
+        compose_config([FLASH, "trainer.precision=bf16", "trainer.device=cpu"])
+    (problem,) = info.value.problems
+    assert problem == (
+        f"{FLASH} needs a CUDA device, but trainer.device=cpu: "
+        "use model.attn_implementation=sdpa on CPU, or train on GPUs."
+    )
+    assert asked == []
+
+
+def test_flash_attention_with_device_auto_follows_the_cuda_probe(monkeypatch) -> None:
+    asked = cuda_visible(monkeypatch, False)
+    with pytest.raises(ConfigError) as info:
+        compose_config([FLASH, "trainer.precision=bf16", "trainer.device=auto"])
+    (problem,) = info.value.problems
+    assert "but trainer.device=auto means cpu here (no CUDA device is visible): use model.attn_implementation=sdpa" in (
+        problem
+    )
+    assert asked == [False]
+    cuda_visible(monkeypatch, True)
+    assert compose_config([FLASH, "trainer.precision=bf16", "trainer.device=auto"]).trainer.device == Device.auto
+
+
+def test_flash_attention_reports_both_problems_at_once(monkeypatch) -> None:
+    cuda_visible(monkeypatch, False)
+    with pytest.raises(ConfigError) as info:
+        compose_config([FLASH, "trainer.device=auto"])
+    assert [p.split(", but ")[0] for p in info.value.problems] == [
+        f"{FLASH} needs fp16/bf16 activations",
+        f"{FLASH} needs a CUDA device",
+    ]

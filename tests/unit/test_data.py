@@ -311,7 +311,7 @@ SAMPLES = [sample([11, 12, 13, 14, 15], 2), sample([21, 22, 23], 1), sample([31,
 
 def test_pad_collator_shapes_mask_and_padding():
     batch = Collator(pad_id=0, pad_to_multiple_of=1)([[s] for s in SAMPLES])
-    assert set(batch) == {"input_ids", "labels", "attention_mask"}
+    assert set(batch) == {"input_ids", "labels", "attention_mask", "target_index"}
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (3, 9)
     assert batch["input_ids"].dtype == torch.long
     for i, s in enumerate(SAMPLES):
@@ -333,7 +333,8 @@ def test_pad_collator_rounds_width_up_to_the_multiple(multiple, width):
 
 def test_pack_collator_concatenates_with_restarting_positions():
     batch = Collator(pad_id=0, packed=True)([SAMPLES])
-    assert set(batch) == {"input_ids", "labels", "position_ids"}  # no attention mask: positions separate samples
+    # No attention mask: the positions separate the samples.
+    assert set(batch) == {"input_ids", "labels", "position_ids", "target_index"}
     total = sum(len(s["input_ids"]) for s in SAMPLES)
     assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (1, total)
     assert batch["input_ids"][0].tolist() == [t for s in SAMPLES for t in s["input_ids"]]
@@ -362,3 +363,27 @@ def test_rows_dataset_returns_the_samples_of_a_row(tokenizer, tmp_path, datasets
     assert got[0]["input_ids"] == data[2]["input_ids"] and got[1]["labels"] == data[0]["labels"]
     batch = Collator(pad_id=tokenizer.pad_token_id)([rows[(i,)] for i in range(len(ROWS))])
     assert batch["attention_mask"].sum(1).tolist() == data["length"]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_target_index_names_exactly_the_positions_whose_next_label_is_a_target(packed):
+    rows = [SAMPLES] if packed else [[s] for s in SAMPLES]
+    batch = Collator(pad_id=0, pad_to_multiple_of=4, packed=packed)(rows)
+    labels = batch["labels"]
+    width = labels.shape[1]
+    rows_, columns = range(labels.shape[0]), range(width - 1)
+    expected = [r * width + c for r in rows_ for c in columns if labels[r, c + 1] != IGNORE_INDEX]
+    assert batch["target_index"].tolist() == expected
+    assert len(expected) == sum(int(x != IGNORE_INDEX) for x in labels[:, 1:].flatten())
+
+
+def test_packed_row_carries_flash_attention_varlen_lengths_as_transformers_would_derive_them():
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    batch = Collator(pad_id=0, packed=True, flash_varlen=True)([SAMPLES])
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(batch["position_ids"])
+    assert batch["cu_seq_lens_q"].dtype == cu_q.dtype == torch.int32
+    assert batch["cu_seq_lens_q"].tolist() == cu_q.tolist() == [0, 5, 8, 17]
+    assert batch["cu_seq_lens_k"].tolist() == cu_k.tolist()
+    assert batch["max_length_q"] == batch["max_length_k"] == int(max_q) == int(max_k) == 9
+    assert "cu_seq_lens_q" not in Collator(pad_id=0, packed=True)([SAMPLES]), "only for flash_attention_2"

@@ -10,12 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddptrain.config import Attention, DataConfig, DType, ModelConfig, ModelInit
 from ddptrain.data import Collator, RowEncoder
 from ddptrain.model import (
     IGNORE_INDEX,
     CausalLMLoss,
+    ChunkedHeadLoss,
     apply_gradient_checkpointing,
     build_base_model,
     build_model,
@@ -142,6 +144,121 @@ def test_full_fine_tune_head_gradients_match_the_reference(tiny, chunk):
         assert rel_diff(got[name], p.grad) <= 1e-5, name
 
 
+class HeadGemms(TorchDispatchMode):
+    """Records every matrix product that touches the vocabulary: its operand dtypes and its output shape."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+        self.products: list[tuple[tuple[torch.dtype, ...], tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            matrices = [a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 2]
+            if any(self.vocab in m.shape for m in [*matrices, out]):
+                self.products.append((tuple(m.dtype for m in matrices), tuple(out.shape)))
+        return out
+
+    def largest_logits_rows(self) -> int:
+        """Rows of the largest (rows x vocab) product: the logits the head built at once."""
+        return max(rows for _, (*rows_dims, cols) in self.products if cols == self.vocab for rows in [rows_dims[-1]])
+
+
+def test_chunked_head_runs_its_gemms_in_the_autocast_dtype_and_the_softmax_in_fp32():
+    """fp32 hidden and weight under bf16 autocast: the logits, grad_hidden and grad_weight products run in
+    bf16 (as F.linear would), the loss and gradients match autocast's plain head, whose cross-entropy is fp32."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, chunk = 1000, 16
+    hidden = torch.randn(50, 32, generator=generator).requires_grad_()
+    weight = (torch.randn(vocab, 32, generator=generator) * 0.3).requires_grad_()
+    targets = torch.randint(0, vocab, (50,), generator=generator)
+
+    recorder = HeadGemms(vocab)
+    with recorder, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ChunkedHeadLoss.apply(hidden, weight, targets, chunk)
+    grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
+    dtypes = {d for operands, _ in recorder.products for d in operands}
+    shapes = {shape for _, shape in recorder.products}
+    assert dtypes == {torch.bfloat16}, dtypes
+    assert {(chunk, vocab), (chunk, 32), (vocab, 32)} <= shapes, "logits, grad_hidden and grad_weight products"
+    assert loss.dtype == grad_hidden.dtype == grad_weight.dtype == torch.float32
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(hidden, weight)
+    expected = F.cross_entropy(logits.float(), targets, reduction="sum")
+    expected_hidden, expected_weight = torch.autograd.grad(expected, (hidden, weight))
+    assert rel_diff(loss.detach(), expected.detach()) <= 1e-6  # log-sum-exp in fp32 over the same bf16 logits
+    assert rel_diff(grad_hidden, expected_hidden) <= 1e-2  # bf16 products: one bf16 rounding (2^-8) apart
+    assert rel_diff(grad_weight, expected_weight) <= 1e-2
+
+
+def test_chunked_head_scales_the_gradient_in_fp32_before_casting_to_bf16():
+    """The trainer backpropagates loss_sum * world_size / n_tokens: 2/3 rounded to bf16 is 0.2% off."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(24, 16, generator=generator).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(300, 16, generator=generator).to(torch.bfloat16)
+    targets = torch.randint(0, 300, (24,), generator=generator)
+    scale = torch.tensor(2 / 3)
+    assert scale.to(torch.bfloat16).item() != scale.item()
+
+    (unscaled,) = torch.autograd.grad(ChunkedHeadLoss.apply(hidden, weight, targets, 8), hidden)
+    (scaled,) = torch.autograd.grad(ChunkedHeadLoss.apply(hidden, weight, targets, 8), hidden, grad_outputs=scale)
+    assert scaled.dtype == torch.bfloat16
+    assert torch.equal(scaled, (unscaled.float() * scale).to(torch.bfloat16)), "one rounding, after the fp32 product"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_evaluation_runs_the_head_in_chunks_and_gives_the_plain_loss(tiny, precision):
+    """Under no_grad the head must not build the (targets x vocab) logits: 8 x 1024 tokens x 152k vocab is
+    ~2.5 GB of logits, more with fp32 copies."""
+    chunk = 4
+    model = make_model(replace(tiny, loss_chunk_tokens=chunk)).eval()
+    ids = torch.randint(0, 4000, (3, 11), generator=torch.Generator().manual_seed(5))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    batch["labels"][:, :2] = IGNORE_INDEX
+    recorder = HeadGemms(model.lm_head.weight.shape[0])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with recorder:
+            loss_sum, n_tokens = model(**batch)
+        expected = reference_loss_sum(model, batch)
+    assert n_tokens.item() == 3 * 9  # labels 2..10 of each row
+    assert recorder.largest_logits_rows() == chunk
+    if precision == "fp32":
+        assert rel_diff(loss_sum, expected) <= 1e-6
+    else:
+        assert {d for operands, _ in recorder.products for d in operands} == {torch.bfloat16}
+        assert rel_diff(loss_sum, expected) <= 1e-3
+
+
+def test_a_new_target_count_does_not_recompile_the_compiled_model(tiny):
+    """trainer.compile=true: every micro-batch has its own number of target tokens; the head stays eager so
+    that dynamo compiles the decoder once (a compiled head recompiled per count until the recompile limit)."""
+    from torch._dynamo.utils import counters
+
+    model = make_model(replace(tiny, loss_chunk_tokens=8))
+    compiled = torch.compile(model, backend="eager")  # dynamo's guards and recompiles, without codegen time
+    ids = torch.randint(0, 4000, (2, 16), generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        graphs = []
+        for n_prompt in (3, 6, 10):
+            labels = ids.clone()
+            labels[:, :n_prompt] = IGNORE_INDEX
+            batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+            loss_sum, n_tokens = compiled(**batch)
+            loss_sum.backward()
+            assert n_tokens.item() == 2 * (15 - n_prompt + 1)
+            with torch.no_grad():
+                assert rel_diff(loss_sum.detach(), model(**batch)[0]) <= 1e-6
+            graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        torch._dynamo.reset()
+        counters.clear()
+    assert graphs == [1, 1, 1], f"graphs compiled after each step: {graphs}"
+
+
 def test_full_logits_match_the_transformers_logits(tiny):
     model = make_model(tiny).eval()
     input_ids = torch.randint(0, 4000, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -159,7 +276,7 @@ def per_sample_losses(model: CausalLMLoss, batch: dict[str, torch.Tensor], spans
     for row, start, end in spans:
         labels = torch.full_like(batch["labels"], IGNORE_INDEX)
         labels[row, start:end] = batch["labels"][row, start:end]
-        losses.append(model(**{**batch, "labels": labels})[0])
+        losses.append(model(**{**batch, "labels": labels, "target_index": None})[0])
     return losses
 
 
@@ -377,3 +494,56 @@ def test_tokenizer_has_eos_and_pad(tiny):
     tokenizer = build_tokenizer(tiny)
     assert tokenizer.eos_token_id is not None and tokenizer.pad_token_id is not None
     assert tokenizer.decode([tokenizer.eos_token_id]) == tokenizer.eos_token
+
+
+def _fake_liger(monkeypatch, patch_fn=None, broken_import: str | None = None) -> None:
+    """liger-kernel is an optional CUDA extra, absent here: stand in its registry module."""
+    import sys
+    import types
+
+    if broken_import is not None:
+
+        class BrokenFinder:
+            def find_spec(self, name, path=None, target=None):
+                if name == "liger_kernel" or name.startswith("liger_kernel."):
+                    raise ModuleNotFoundError(f"No module named '{broken_import}'", name=broken_import)
+                return None
+
+        monkeypatch.setattr(sys, "meta_path", [BrokenFinder(), *sys.meta_path])
+        return
+    package = types.ModuleType("liger_kernel")
+    transformers_pkg = types.ModuleType("liger_kernel.transformers")
+    registry = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    registry.MODEL_TYPE_TO_APPLY_LIGER_FN = {"qwen2": patch_fn}
+    for name, module in (
+        ("liger_kernel", package),
+        ("liger_kernel.transformers", transformers_pkg),
+        ("liger_kernel.transformers.monkey_patch", registry),
+    ):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_liger_passes_each_family_only_the_kernels_its_patch_takes(monkeypatch) -> None:
+    from ddptrain.model import apply_liger_kernel
+    from tests.conftest import compose_config
+
+    calls = []
+
+    def gemma_style_patch(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, geglu=True):
+        calls.append(dict(rope=rope, cross_entropy=cross_entropy, fused=fused_linear_cross_entropy, geglu=geglu))
+
+    _fake_liger(monkeypatch, gemma_style_patch)
+    apply_liger_kernel(compose_config([]).model, torch.device("cuda"))
+    assert calls == [dict(rope=True, cross_entropy=False, fused=False, geglu=True)]
+
+
+def test_liger_shows_a_real_import_error_not_not_installed(monkeypatch) -> None:
+    from ddptrain.model import apply_liger_kernel
+    from tests.conftest import compose_config
+
+    _fake_liger(monkeypatch, broken_import="triton")
+    with pytest.raises(ModuleNotFoundError, match="triton"):
+        apply_liger_kernel(compose_config([]).model, torch.device("cuda"))
+    _fake_liger(monkeypatch, broken_import="liger_kernel")
+    with pytest.raises(RuntimeError, match="liger-kernel is not installed"):
+        apply_liger_kernel(compose_config([]).model, torch.device("cuda"))

@@ -1,0 +1,40 @@
+"""2-rank workers for the start-up replica check (spawned processes import them by name)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ddptrain import parallel
+from ddptrain import trainer as trainer_module
+from ddptrain.config import RunConfig
+from ddptrain.metrics import setup_logging
+
+
+def train_with_rank1_frozen_weight_changed(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """The real Trainer, but rank 1's copy of one frozen base weight differs by one element (as a
+    node reading other model files would): DDP no longer broadcasts the weights, so the check must
+    stop the run before training."""
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    real_build_model = trainer_module.build_model
+
+    def build_model_with_drift(*args, **kwargs):
+        module = real_build_model(*args, **kwargs)
+        if env.rank == 1:
+            frozen = next(p for p in module.parameters() if not p.requires_grad)
+            with torch.no_grad():
+                frozen.view(-1)[0] += 1e-3
+        return module
+
+    trainer_module.build_model = build_model_with_drift
+    try:
+        setup_logging(env.rank, None)
+        try:
+            trainer_module.Trainer(cfg, env, Path(run_dir)).fit()
+        except RuntimeError as err:
+            (Path(run_dir) / f"error{env.rank}.txt").write_text(str(err))
+            raise
+        (Path(run_dir) / f"trained{env.rank}.txt").write_text("no error")
+    finally:
+        parallel.teardown()
