@@ -15,7 +15,6 @@ import pytest
 from safetensors.torch import load_file
 
 from ddptrain.launch import launch
-from ddptrain.signals import STOPPED_EXIT_CODE
 from tests.conftest import REPO, compose_config, read_metrics, run_ddptrain, run_dirs, skip_or_fail
 from tests.distributed.workers_audit import (
     changes_by_rank,
@@ -26,11 +25,10 @@ from tests.distributed.workers_audit import (
 
 pytestmark = pytest.mark.dist
 
-# Dropout draws random numbers every step and data workers start with every epoch: a resume is
-# bit-identical only if each rank's RNG state comes back and nothing else draws from it.
+# Dropout draws random numbers every step: a resume is bit-identical only if each rank's RNG state
+# comes back and nothing else draws from it (a DataLoader iterator did, at every epoch and resume).
 COMMON = [
     "model.lora_dropout=0.1",
-    "data.num_workers=2",
     "data.max_rows=240",
     "data.eval_fraction=0",
     "data.micro_batch_size=8",
@@ -64,6 +62,8 @@ def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path,
         *COMMON,
         f"data.batching={batching}",
         "data.max_tokens_per_batch=1024",
+        # Loader workers (started at every epoch and resume) in one mode: they are slow to start here.
+        f"data.num_workers={2 if batching == 'length_grouped' else 0}",
         f"trainer.max_steps={STEPS_PER_EPOCH + 6}",
     ]
     full_run = run_ddptrain(
@@ -97,10 +97,8 @@ def _worker_pids(launcher_pid: int) -> list[int]:
     return [p for p, cmd in cmdlines.items() if "spawn_main" in cmd or "ddptrain" in cmd]
 
 
-def signal_workers_mid_run(
-    command: list[str], output_dir: Path, signum: int, after_step: int, everyone: bool = False
-) -> tuple[bool, int, str]:
-    """Start ``command``; once its metrics reach ``after_step``, send ``signum`` to one worker (or all).
+def signal_workers_mid_run(command: list[str], output_dir: Path, signum: int, after_step: int) -> tuple[bool, int, str]:
+    """Start ``command``; once its metrics reach ``after_step``, send ``signum`` to one worker.
 
     Returns:
         (whether the signal was sent, the launcher's exit code, its output).
@@ -115,7 +113,7 @@ def signal_workers_mid_run(
                 steps = [r["step"] for r in read_metrics(dirs[0]) if "loss" in r]
                 if steps and steps[-1] >= after_step:
                     workers = _worker_pids(proc.pid)
-                    for pid in workers if everyone else workers[-1:]:
+                    for pid in workers[-1:]:
                         os.kill(pid, signum)
                     sent = True
             time.sleep(0.02)
@@ -137,7 +135,7 @@ TORCHRUN = [
 
 @pytest.mark.parametrize("launcher", ["self-launch", "torchrun"])
 def test_killed_worker_restarts_and_ends_with_the_same_parameters(tmp_path, launcher) -> None:
-    args = [*COMMON, "data.max_rows=1200", "trainer.max_steps=60", "trainer.save_every_n_steps=5"]
+    args = [*COMMON, "data.num_workers=2", "data.max_rows=1200", "trainer.max_steps=60", "trainer.save_every_n_steps=5"]
     reference = run_ddptrain([*args, f"trainer.output_dir={tmp_path}/ref"])
     assert reference.returncode == 0, reference.stderr[-3000:]
     if launcher == "torchrun":
@@ -194,22 +192,3 @@ def test_only_rank_zero_writes_in_the_run_directory(tmp_path, rank1_writes) -> N
     for written in ("config.yaml", "train.log", "metrics.jsonl", "checkpoints/step-00000004/manifest.json"):
         assert (run_dir / written).is_file(), written
     assert "base_model.model" in next(iter(final_weights(run_dir))), "rank 0's adapter was replaced"
-
-
-def test_sigterm_saves_a_checkpoint_and_stops_cleanly(tmp_path) -> None:
-    args = [*COMMON, "data.max_rows=1200", "trainer.max_steps=60", "trainer.save_every_n_steps=50"]
-    command = [sys.executable, "-m", "ddptrain", *args, f"trainer.output_dir={tmp_path}"]
-    # A scheduler's pre-emption signals every process of the job.
-    sent, returncode, output = signal_workers_mid_run(command, tmp_path, signal.SIGTERM, after_step=8, everyone=True)
-    assert sent, "the run ended before it could be signalled"
-    assert returncode == STOPPED_EXIT_CODE, output[-3000:]  # more cases: tests/e2e/test_signals.py
-    (run,) = run_dirs(tmp_path)
-    last_step = read_metrics(run)[-1]["step"]
-    saved = checkpoint_steps(run)
-    assert saved == [last_step] and 8 <= last_step < 50
-    assert "stopped by SIGTERM" in (run / "train.log").read_text()
-    assert not (run / "adapter").exists(), "a stopped run is not finished: no final adapter"
-
-
-def checkpoint_steps(run: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))
