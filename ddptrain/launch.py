@@ -103,6 +103,8 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
         timeout=timedelta(seconds=cfg.parallel.timeout_s),
     )
     os.environ.update(_worker_environment(nproc))
+    # For the workers only (removed again below): this launcher decides when a Ctrl-C aborts.
+    os.environ[signals.SELF_LAUNCHED_ENV] = "1"
     rdzv_dir = Path(tempfile.mkdtemp(prefix="ddptrain-rdzv-"))
     config = LaunchConfig(
         min_nodes=1,
@@ -128,6 +130,7 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
                     return {signals.STOPPED_BY: stop.signal.name, signals.STOPPED_AT_STEP: None}
                 raise RuntimeError(_failure_summary(exc)) from None
     finally:
+        os.environ.pop(signals.SELF_LAUNCHED_ENV, None)
         shutil.rmtree(rdzv_dir, ignore_errors=True)
         sock.close()
     return results[0]

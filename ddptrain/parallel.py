@@ -9,6 +9,7 @@ collectives work in a single-process run and cost nothing there.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 from collections.abc import Iterator
@@ -182,11 +183,15 @@ def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: Com
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-        init_sync=False,
+        **_NO_INIT_SYNC,
     )
     state, hook = _comm_hook(cfg, env, counter or CommCounter())
     ddp.register_comm_hook(state, hook)
     return ddp
+
+
+# DDP's start-up broadcast can be switched off from torch 2.6; older releases still broadcast.
+_NO_INIT_SYNC = {"init_sync": False} if "init_sync" in inspect.signature(DDP.__init__).parameters else {}
 
 
 def _comm_hook(cfg: ParallelConfig, env: DistEnv, counter: CommCounter) -> tuple[Any, Any]:
@@ -401,30 +406,35 @@ def check_same_on_all_ranks(value: Any, what: str, fix: str) -> None:
         raise RuntimeError(f"{what} differs between ranks ({per_rank}). {fix}")
 
 
-def weights_checksum(model: nn.Module, trainable_only: bool = False) -> tuple[float, float]:
-    """Sum and sum of squares of the parameters, in float64: equal on all ranks iff the replicas agree (cheaply).
+def weights_checksum(model: nn.Module, trainable_only: bool = False) -> tuple[int, int]:
+    """A checksum of the parameters' bits: equal on all ranks iff the replicas agree, exactly.
 
-    Two moments, because one can hide a difference (a sum plus an L1 norm cancels for a negative
-    element that grows). Accumulated in slices of at most ``_CHECKSUM_SLICE`` elements, so a
-    500M-element embedding never gets a full float64 copy; one host read at the end.
+    Integer sums of the raw bit patterns, plain and weighted by position (so swapped elements or
+    swapped tensors show too), wrapping modulo 2**64: the result does not depend on the order of
+    the reduction (thread count, GPU model), where a float sum would. Slices of at most
+    ``_CHECKSUM_SLICE`` elements bound the int64 copies; one host read at the end.
     """
     with torch.no_grad():
-        parts = [
-            torch.stack([piece.double().sum(), piece.double().square().sum()])
-            for p in model.parameters()
-            if p.requires_grad or not trainable_only
-            for piece in p.detach().reshape(-1).split(_CHECKSUM_SLICE)
-        ]
+        parts, offset = [], 0
+        for p in model.parameters():
+            if trainable_only and not p.requires_grad:
+                continue
+            for piece in p.detach().reshape(-1).split(_CHECKSUM_SLICE):
+                bits = piece.view(_SAME_SIZE_INT[piece.element_size()]).long()
+                position = torch.arange(offset + 1, offset + 1 + bits.numel(), device=bits.device)
+                parts.append(torch.stack([bits.sum(), (bits * position).sum()]))
+                offset += bits.numel()
         if not parts:
-            return 0.0, 0.0
-        total, squares = torch.stack(parts).sum(dim=0).tolist()
-        return total, squares
+            return 0, 0
+        plain, weighted = torch.stack(parts).sum(dim=0).tolist()
+        return plain, weighted
 
 
-_CHECKSUM_SLICE = 1 << 24
+_CHECKSUM_SLICE = 1 << 22
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def trainable_checksum(model: nn.Module) -> tuple[float, float]:
+def trainable_checksum(model: nn.Module) -> tuple[int, int]:
     """``weights_checksum`` of the trainable parameters (after step 1: were the gradients synced?)."""
     return weights_checksum(model, trainable_only=True)
 

@@ -13,11 +13,14 @@ Two sides:
   keeps collecting results, and ``__main__`` prints one line and exits with ``STOPPED_EXIT_CODE``.
 
 A terminal's Ctrl-C reaches the whole foreground process group: the self-launcher and its workers
-get it directly, and the workers get it again, milliseconds later, from the launcher. So a SIGINT
-within ``REPEAT_WINDOW_S`` of the first signal is the same request; a later one aborts at once,
-without saving (the previous checkpoint stays intact: checkpoints are written atomically). So does a
-later SIGTERM after a Ctrl-C: torchrun passes a second Ctrl-C on to its workers as SIGTERM. After a
-SIGTERM, only Ctrl-C aborts: a scheduler may send SIGTERM more than once.
+get it directly, and the workers get it again from the launcher. The self-launcher sees each Ctrl-C
+exactly once, so it alone decides that one is the second: it then sends its workers ABORT_SIGNAL, and
+they take every other repeat for the same request, however late a forwarded copy arrives. Workers
+of torchrun (or of a single-process run) decide themselves: a SIGINT within ``REPEAT_WINDOW_S`` of
+the first signal is the same request; a later one aborts at once, without saving (the previous
+checkpoint stays intact: checkpoints are written atomically). So does a later SIGTERM after a
+Ctrl-C: torchrun passes a second Ctrl-C on to its workers as SIGTERM. After a SIGTERM, only Ctrl-C
+aborts: a scheduler may send SIGTERM more than once.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ ABORTED_EXIT_CODE = 130
 # Set in the self-launcher once a stop is requested: workers it starts afterwards (a restart after
 # a failure) begin with the request already made.
 STOP_ENV = "DDPTRAIN_STOP_SIGNAL"
+# Set for the workers of the self-launcher. There the launcher alone decides when a Ctrl-C is the
+# second one (it gets each Ctrl-C exactly once) and sends ABORT_SIGNAL; a worker treats every other
+# repeat as the same request, so a forwarded copy that arrives late can never abort the run.
+SELF_LAUNCHED_ENV = "DDPTRAIN_SELF_LAUNCHED"
+ABORT_SIGNAL = signal.SIGUSR2
 # Keys ``Trainer.fit`` adds to its result when it stopped on a signal.
 STOPPED_BY = "stopped_by"
 STOPPED_AT_STEP = "stopped_at_step"
@@ -65,10 +73,12 @@ class Aborted(KeyboardInterrupt):
 class StopRequest:
     """The first stop signal this process received; the training loop reads ``requested`` at each step."""
 
-    def __init__(self, signum: signal.Signals | None = None) -> None:
+    def __init__(self, signum: signal.Signals | None = None, launcher_aborts: bool = False) -> None:
         self.signal = signum
         self.at = time.monotonic()
         self.aborting = False
+        # A worker of the self-launcher: only the launcher's ABORT_SIGNAL aborts (see SELF_LAUNCHED_ENV).
+        self.launcher_aborts = launcher_aborts
 
     @property
     def requested(self) -> bool:
@@ -83,9 +93,14 @@ class StopRequest:
             request again).
         """
         now = time.monotonic()
+        if signum == ABORT_SIGNAL:
+            self.aborting = True
+            return "abort"
         if self.signal is None:
             self.signal, self.at = signal.Signals(signum), now
             return "stop"
+        if self.launcher_aborts:
+            return "repeat"
         after_ctrl_c = signal.SIGINT in (signum, self.signal)
         if after_ctrl_c and now - self.at > REPEAT_WINDOW_S and not self.aborting:
             self.aborting = True
@@ -113,7 +128,8 @@ def stop_on_signals(stop: StopRequest | None = None) -> Iterator[StopRequest]:
     """
     if stop is None:
         from_launcher = os.environ.get(STOP_ENV)
-        stop = StopRequest(signal.Signals[from_launcher] if from_launcher in signal.Signals.__members__ else None)
+        first = signal.Signals[from_launcher] if from_launcher in signal.Signals.__members__ else None
+        stop = StopRequest(first, launcher_aborts=os.environ.get(SELF_LAUNCHED_ENV) == "1")
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
@@ -135,7 +151,7 @@ def stop_on_signals(stop: StopRequest | None = None) -> Iterator[StopRequest]:
             # and multiprocessing releases its semaphores (no resource_tracker warning).
             raise SystemExit(ABORTED_EXIT_CODE)
 
-    previous = {s: signal.signal(s, handle) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, handle) for s in (*STOP_SIGNALS, ABORT_SIGNAL)}
     try:
         yield stop
     finally:
@@ -149,7 +165,7 @@ def forward_to_workers() -> Iterator[StopRequest]:
     The workers are this process's multiprocessing children (elastic's agent starts them with
     ``spawn``). Elastic must be told to leave SIGTERM and SIGINT alone
     (``LaunchConfig.signals_to_handle``), or it replaces these handlers. On a second Ctrl-C the
-    workers get it too and exit; those still running after ABORT_GRACE_S are killed.
+    workers get ABORT_SIGNAL and exit; those still running after ABORT_GRACE_S are killed.
 
     Yields:
         The request (``requested`` once a signal came).
@@ -170,7 +186,7 @@ def forward_to_workers() -> Iterator[StopRequest]:
         elif what == "abort":
             for worker in workers:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(worker.pid, signal.SIGINT)
+                    os.kill(worker.pid, ABORT_SIGNAL)
             deadline = time.monotonic() + ABORT_GRACE_S
             for worker in workers:
                 worker.join(timeout=max(0.0, deadline - time.monotonic()))

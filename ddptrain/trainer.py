@@ -206,7 +206,7 @@ class Trainer:
                     self.sampler.set_epoch(self.sampler.epoch + 1)
         bar.close()
         with signals.stop_on_signals(stop):  # while saving: a repeat changes nothing, a second Ctrl-C aborts
-            if self.stopping:
+            if self.stopping and self.step < self.total_steps:  # a vote read at the last step: just finish
                 self.save_checkpoint()
                 last = {**last, **stop.report(self.step)}
                 by = last[signals.STOPPED_BY]
@@ -444,7 +444,10 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.sampler.load_state_dict(state["sampler"])
-        self.window.load_state_dict(state["windows"][self.env.rank])
+        if "windows" in state:
+            self.window.load_state_dict(state["windows"][self.env.rank])
+        else:  # saved before windows were kept per rank: the next log line covers the steps from here
+            log.warning("%s keeps no per-rank log window: the first log line after resuming is partial", folder)
         self.step = state["step"]
         checkpoint.restore_rng(state["rng"][self.env.rank])
         log.info("resumed from %s at step %d (epoch %d)", folder, self.step, self.sampler.epoch)

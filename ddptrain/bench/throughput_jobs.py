@@ -283,7 +283,10 @@ def _hf_trainer(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict
         model=model,
         args=args,
         train_dataset=data.train,
-        data_collator=lambda features: padder([[f] for f in features]),
+        # The transformers model computes its own loss: it takes no target_index.
+        data_collator=lambda features: {
+            k: v for k, v in padder([[f] for f in features]).items() if k != "target_index"
+        },
         callbacks=[Timer()],
     )
     with contextlib.redirect_stdout(sys.stderr):  # its end-of-training summary would break --json

@@ -3,6 +3,7 @@ communication, mixed precision, and the pre-flight checks."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from pathlib import Path
@@ -207,3 +208,21 @@ def test_ranks_with_different_frozen_weights_are_stopped_before_training(tmp_pat
     for rank in (0, 1):
         message = (run_dir / f"error{rank}.txt").read_text()
         assert "the model's weights differs between ranks" in message and "model.name_or_path" in message
+
+
+def test_ddp_broadcasts_no_weights_at_start_up(tmp_path) -> None:
+    """Every rank built the same weights (the checksum above proves it), so DDP's start-up broadcast of the
+    whole model (15 GB per rank for a 7B in bf16) is switched off."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    from tests.distributed.workers_replicas import record_startup_broadcast
+
+    if "init_sync" not in inspect.signature(ddp_module.DistributedDataParallel.__init__).parameters:
+        pytest.skip("torch before 2.6 cannot skip DDP's start-up broadcast")
+    run_dir = tmp_path / "broadcast"
+    run_dir.mkdir()
+    cfg = compose_config(["parallel=ddp2", f"trainer.output_dir={tmp_path}", *TINY])
+    launch(cfg, run_dir, entrypoint=record_startup_broadcast)
+    for rank in (0, 1):
+        record = json.loads((run_dir / f"broadcast{rank}.json").read_text())
+        assert record["model"] > 0 and record["broadcast"] == [], record

@@ -38,3 +38,27 @@ def train_with_rank1_frozen_weight_changed(cfg: RunConfig, run_dir: str, store_p
         (Path(run_dir) / f"trained{env.rank}.txt").write_text("no error")
     finally:
         parallel.teardown()
+
+
+def record_startup_broadcast(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """Build the real Trainer (DDP included) and record the bytes DDP's start-up sync would broadcast."""
+    import json
+
+    import torch.nn.parallel.distributed as ddp_module
+
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    broadcast: list[int] = []
+    real_sync = ddp_module._sync_module_states
+
+    def recording_sync(module, *args, **kwargs):
+        broadcast.append(sum(p.numel() * p.element_size() for p in module.parameters()))
+        return real_sync(module, *args, **kwargs)
+
+    ddp_module._sync_module_states = recording_sync
+    try:
+        setup_logging(env.rank, None)
+        trainer = trainer_module.Trainer(cfg, env, Path(run_dir))
+        total = sum(p.numel() * p.element_size() for p in trainer.loss_module.parameters())
+        (Path(run_dir) / f"broadcast{env.rank}.json").write_text(json.dumps({"broadcast": broadcast, "model": total}))
+    finally:
+        parallel.teardown()

@@ -262,7 +262,7 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, launcher) -> None:
         run.kill()
     output = run.output()
     print(f"{launcher}: second Ctrl-C to exit {seconds:.2f} s")
-    assert seconds < 4, f"the run ended {seconds:.1f} s after the second Ctrl-C:\n{output[-3000:]}"
+    assert seconds < 8, f"the run ended {seconds:.1f} s after the second Ctrl-C:\n{output[-3000:]}"
     assert not left, f"processes left behind: {left}"
     assert "aborting without saving" in output and "leaked" not in output, output[-5000:]
     (run_dir,) = run_dirs(out)
