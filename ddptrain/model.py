@@ -295,6 +295,14 @@ LIGER_KERNELS = {
 }
 
 
+def mark_target_count_dynamic(batch: dict[str, Any]) -> dict[str, Any]:
+    """For torch.compile: the number of targets changes with every micro-batch. Said up front, dynamo
+    compiles the forward once for any count, instead of specialising on the first and recompiling."""
+    if "target_index" in batch:
+        torch._dynamo.maybe_mark_dynamic(batch["target_index"], 0)
+    return batch
+
+
 def apply_liger_kernel(cfg: ModelConfig, device: torch.device) -> None:
     """Patch the model family's transformers classes with Liger's fused kernels (before the model is built).
 

@@ -146,7 +146,10 @@ def stop_on_signals(stop: StopRequest | None = None) -> Iterator[StopRequest]:
                 signal.Signals(signum).name,
             )
         elif what == "abort":
-            log.warning("%s after Ctrl-C: aborting without saving", signal.Signals(signum).name)
+            how = f"{signal.Signals(signum).name} after Ctrl-C"
+            if signum == ABORT_SIGNAL:
+                how = "a second Ctrl-C to the launcher"
+            log.warning("%s: aborting without saving", how)
             # SystemExit, not KeyboardInterrupt: the process exits normally, without a traceback,
             # and multiprocessing releases its semaphores (no resource_tracker warning).
             raise SystemExit(ABORTED_EXIT_CODE)

@@ -21,7 +21,14 @@ from ddptrain import checkpoint, parallel, signals
 from ddptrain.config import Attention, Batching, DType, RunConfig
 from ddptrain.data import Collator, RowsDataset, TokenizedData, batch_token_counts, build_datasets
 from ddptrain.metrics import Stopwatch, build_metrics_logger, build_progress_bar
-from ddptrain.model import IGNORE_INDEX, TORCH_DTYPES, CausalLMLoss, build_model, build_tokenizer
+from ddptrain.model import (
+    IGNORE_INDEX,
+    TORCH_DTYPES,
+    CausalLMLoss,
+    build_model,
+    build_tokenizer,
+    mark_target_count_dynamic,
+)
 from ddptrain.optim import build_optimizer, build_scheduler
 from ddptrain.parallel import DistEnv
 from ddptrain.sampler import BatchingSpec, DistributedBatchSampler
@@ -266,7 +273,8 @@ class Trainer:
 
     def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Tensors to the device; plain numbers (flash-attention's max lengths) stay as they are."""
-        return {k: v.to(self.env.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        moved = {k: v.to(self.env.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return mark_target_count_dynamic(moved) if self.cfg.trainer.compile else moved
 
     # ------------------------------------------------------------------ checks
 

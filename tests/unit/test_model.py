@@ -231,10 +231,14 @@ def test_evaluation_runs_the_head_in_chunks_and_gives_the_plain_loss(tiny, preci
         assert rel_diff(loss_sum, expected) <= 1e-3
 
 
-def test_a_new_target_count_does_not_recompile_the_compiled_model(tiny):
-    """trainer.compile=true: every micro-batch has its own number of target tokens; the head stays eager so
-    that dynamo compiles the decoder once (a compiled head recompiled per count until the recompile limit)."""
+@pytest.mark.parametrize("collated", [True, False], ids=["collator-target-index", "no-target-index"])
+def test_a_new_target_count_does_not_recompile_the_compiled_model(tiny, collated):
+    """trainer.compile=true: every micro-batch has its own number of target tokens (and, from the collator, a
+    target_index of its own length); the head stays eager so that dynamo compiles the decoder once (a compiled
+    head recompiled per count until the recompile limit)."""
     from torch._dynamo.utils import counters
+
+    from ddptrain.model import mark_target_count_dynamic
 
     model = make_model(replace(tiny, loss_chunk_tokens=8))
     compiled = torch.compile(model, backend="eager")  # dynamo's guards and recompiles, without codegen time
@@ -247,6 +251,9 @@ def test_a_new_target_count_does_not_recompile_the_compiled_model(tiny):
             labels = ids.clone()
             labels[:, :n_prompt] = IGNORE_INDEX
             batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+            if collated:  # what the trainer passes
+                rows = [[{"input_ids": ids[r].tolist(), "labels": labels[r].tolist()}] for r in range(2)]
+                batch = mark_target_count_dynamic(Collator(pad_id=0, pad_to_multiple_of=1)(rows))
             loss_sum, n_tokens = compiled(**batch)
             loss_sum.backward()
             assert n_tokens.item() == 2 * (15 - n_prompt + 1)
