@@ -22,7 +22,6 @@ from ddptrain.config import Attention, Batching, DType, RunConfig
 from ddptrain.data import Collator, RowsDataset, TokenizedData, batch_token_counts, build_datasets
 from ddptrain.metrics import Stopwatch, build_metrics_logger, build_progress_bar
 from ddptrain.model import (
-    IGNORE_INDEX,
     TORCH_DTYPES,
     CausalLMLoss,
     build_model,
@@ -234,7 +233,7 @@ class Trainer:
         Nothing here waits for the device: the counts go up and come back as device tensors.
         """
         # Counted on the CPU copies: no wait on the device.
-        local_tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
+        local_tokens = sum(b["target_index"].numel() for b in micro_batches)  # the collator found the targets
         batch_tokens = [batch_token_counts(b) for b in micro_batches]
         batches = [self._to_device(b) for b in micro_batches]
         counts = torch.tensor([local_tokens, float(stop_requested)], dtype=torch.float64)
