@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -139,9 +140,18 @@ def _pick_backend(backend: Backend, device: torch.device) -> str:
 
 
 def teardown() -> None:
-    """Leave the process group (safe to call twice)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group (safe to call twice).
+
+    On a normal exit the ranks first meet at a barrier, so that they destroy the group together:
+    one that tears its connections down while another still works can leave that one hanging
+    inside ``destroy_process_group`` (seen once in CI on gloo). Called while an exception
+    propagates (from a ``finally``), there is no barrier: the other ranks may be gone.
+    """
+    if not dist.is_initialized():
+        return
+    if sys.exc_info()[0] is None and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- DDP
