@@ -12,8 +12,12 @@ A checkpoint is a folder ``<run>/checkpoints/step-00000020/`` holding
 
 The folder is written under a temporary name, flushed, and renamed into place; a folder
 without a complete, matching manifest is never loaded. ``latest`` names the newest one, and
-only the last ``trainer.keep_last_n`` are kept. Ranks other than 0 hold a writer that does
-nothing; the trainer puts a barrier after every save.
+only the last ``trainer.keep_last_n`` are kept.
+
+``Checkpointer`` decides what a checkpoint holds: the trainer hands it its stateful parts (each
+with ``state_dict``/``load_state_dict``) and the data-order fingerprint; it gathers the per-rank
+parts, has rank 0 write (ranks other than 0 hold a writer that does nothing), waits at a barrier,
+and on resume checks that the checkpoint fits the run before restoring every part.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,8 +39,10 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from ddptrain import parallel
 from ddptrain.config import ModelConfig, ModelInit
 from ddptrain.model import point_adapter_at_base, save_random_base
+from ddptrain.parallel import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,126 @@ KNOWN_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupt or does not fit this run."""
+
+
+class Stateful(Protocol):
+    """A part of the training state: the optimizer, the LR schedule, the sampler, the log window, ..."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# ----------------------------------------------------------------------------- what a checkpoint holds
+
+
+class Checkpointer:
+    """Saves and restores a run's state; every rank holds one and calls it at the same step.
+
+    Args:
+        env: this rank's place in the process group (rank 0 writes).
+        run_dir: the run directory (checkpoints go to ``<run_dir>/checkpoints``).
+        keep_last_n: ``trainer.keep_last_n``.
+        weights: the model whose trainable weights are saved (the peft model, unwrapped).
+        shared: parts equal on every rank (optimizer, scheduler, scaler, sampler), saved once.
+        per_rank: parts that differ by rank (the log window); each rank's copy is saved and
+            restored to the same rank. The RNG states are always added.
+        fingerprint: the settings that fix which samples each step sees (``TrainingData.fingerprint``).
+    """
+
+    def __init__(
+        self,
+        env: DistEnv,
+        run_dir: Path,
+        keep_last_n: int,
+        *,
+        weights: nn.Module,
+        shared: dict[str, Stateful],
+        per_rank: dict[str, Stateful],
+        fingerprint: dict[str, Any],
+    ):
+        self.env, self.run_dir, self.weights = env, run_dir, weights
+        self.shared = shared
+        self.per_rank = {**per_rank, "rng": RNGState()}
+        self.fingerprint = fingerprint
+        self.writer = build_writer(env.is_rank_zero, run_dir, keep_last_n)
+
+    def save(self, step: int) -> None:
+        """Every rank contributes its per-rank parts; rank 0 writes; everyone waits at the barrier.
+
+        Raises:
+            RuntimeError: the write failed (the previous checkpoint is intact and named).
+        """
+        gathered = {name: parallel.all_gather_object(part.state_dict()) for name, part in self.per_rank.items()}
+        state = {"step": step, **{name: part.state_dict() for name, part in self.shared.items()}, **gathered}
+        meta = {"step": step, **state["sampler"], "world_size": self.env.world_size, "data_order": self.fingerprint}
+        try:
+            self.writer.save(self.weights, state, meta)
+        except Exception as err:
+            previous = newest_complete(self.run_dir / "checkpoints")
+            raise RuntimeError(
+                f"saving the checkpoint of step {step} failed: {type(err).__name__}: {err}. "
+                f"The previous checkpoint is intact: {previous or 'none yet'}. "
+                f"Free space in {self.run_dir} or point trainer.output_dir at a writable disk, and resume with "
+                f"trainer.resume={self.run_dir}."
+            ) from err
+        parallel.barrier()
+
+    def save_final(self, tokenizer: PreTrainedTokenizerBase, model_cfg: ModelConfig, seed: int) -> None:
+        """Rank 0 writes ``<run>/adapter`` (and a random base); the others go on to the caller's barrier."""
+        self.writer.save_final(self.weights, tokenizer, model_cfg, seed)
+
+    def resume(self, resume: str) -> int | None:
+        """Restore every part from ``trainer.resume`` (auto: this run's newest checkpoint, if any).
+
+        Returns:
+            The step the checkpoint was saved at, or None when there is nothing to resume.
+
+        Raises:
+            CheckpointError: the checkpoint does not fit this run (world size, data order, model).
+        """
+        folder = find_checkpoint(resume, self.run_dir)
+        if folder is None:
+            return None
+        check_same_data_order(folder, self.fingerprint)  # find_checkpoint verified every file's hash
+        load_trainable_weights(self.weights, folder / WEIGHTS)
+        state = load_state(folder)
+        for name, part in self.shared.items():
+            part.load_state_dict(state[name])
+        for name, part in self.per_rank.items():
+            if name in state:
+                part.load_state_dict(state[name][self.env.rank])
+            else:  # saved before this part was kept per rank: it starts afresh
+                log.warning("%s keeps no per-rank %s: it starts afresh on resume", folder, name)
+        log.info("resumed from %s at step %d (epoch %d)", folder, state["step"], state["sampler"]["epoch"])
+        return state["step"]
+
+
+def check_same_data_order(folder: Path, fingerprint: dict[str, Any]) -> None:
+    """Refuse a checkpoint saved with settings that would feed other samples to the remaining steps.
+
+    Raises:
+        CheckpointError: naming every setting that changed, old and new.
+    """
+    saved = read_manifest(folder)["data_order"]
+    changed = sorted(k for k in fingerprint if saved.get(k) != fingerprint[k])
+    if changed:
+        details = ", ".join(f"{k}: {saved.get(k)} -> {fingerprint[k]}" for k in changed)
+        raise CheckpointError(
+            f"{folder} was saved with a different data order ({details}); resuming would silently train on "
+            "other samples. Resume with the same data.*, optim.grad_accum_steps, trainer.seed and number of "
+            "processes, or set trainer.resume=none to start over."
+        )
+
+
+class RNGState:
+    """This process's RNG streams as a stateful part (dropout masks continue exactly on resume)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_rng(state)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -180,7 +306,10 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     """
     manifest_file = folder / MANIFEST
     if not manifest_file.is_file():
-        raise CheckpointError(f"{folder} has no {MANIFEST}: it is incomplete (interrupted save?) or not a checkpoint.")
+        raise CheckpointError(
+            f"{folder} has no {MANIFEST}: it is incomplete (interrupted save?) or not a checkpoint. Point "
+            "trainer.resume at a complete checkpoints/step-N folder, or at the run directory (its newest complete one)."
+        )
     return json.loads(manifest_file.read_text())
 
 
@@ -195,7 +324,9 @@ def verify(folder: Path) -> dict[str, Any]:
         path = folder / name
         if not path.is_file() or path.stat().st_size != info["bytes"] or _sha256(path) != info["sha256"]:
             raise CheckpointError(
-                f"{folder}: {name} is missing or differs from the manifest; the checkpoint is corrupt."
+                f"{folder}: {name} is missing or differs from the manifest; the checkpoint is corrupt. Resume "
+                "from an older one (trainer.resume=<run>/checkpoints/step-N) or from the run directory, which "
+                "takes its newest complete checkpoint."
             )
     return manifest
 
@@ -260,7 +391,10 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"{folder} holds no .safetensors weights.")
+        raise CheckpointError(
+            f"{folder} holds no .safetensors weights: point at a checkpoint's weights/ folder or a run's adapter/ "
+            "(ddptrain writes both with safetensors)."
+        )
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(str(file)))
@@ -287,7 +421,8 @@ def load_trainable_weights(model: nn.Module, folder: Path) -> None:
     if missing or unexpected:
         raise CheckpointError(
             f"{folder} does not fit this model: missing {_few(missing)}; unexpected {_few(unexpected)}. "
-            "Was it saved with another model.* or LoRA setting?"
+            "It was saved with other model.* or model.lora_* settings: use the ones in its run's config.yaml, "
+            "or set trainer.resume=none to start over."
         )
 
 

@@ -23,6 +23,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
 
+from ddptrain.batch_cost import cost_rule
+
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 
@@ -334,12 +336,12 @@ def _check_data(d: DataConfig) -> list[str]:
     )
     if not 0.0 <= d.eval_fraction < 1.0:
         problems.append(f"data.eval_fraction={d.eval_fraction} must be in [0, 1).")
-    longest_row = -(-d.max_length // max(d.pad_to_multiple_of, 1)) * max(d.pad_to_multiple_of, 1)
+    longest_row = cost_rule(d.batching == Batching.packed, max(d.pad_to_multiple_of, 1))([d.max_length])
     if d.batching in (Batching.token_budget, Batching.packed) and d.max_tokens_per_batch < longest_row:
         problems.append(
             f"data.max_tokens_per_batch={d.max_tokens_per_batch} is below data.max_length={d.max_length} "
-            f"(padded to {longest_row}): one full-length row would not fit; raise data.max_tokens_per_batch "
-            "or lower data.max_length."
+            f"({longest_row} tokens as a micro-batch): one full-length row would not fit; raise "
+            "data.max_tokens_per_batch or lower data.max_length."
         )
     for key, value in (("data.path", d.path), ("data.eval_path", d.eval_path)):
         if value is not None and not os.path.isfile(os.path.expanduser(value)):

@@ -1,4 +1,8 @@
-"""Loading, formatting and tokenizing rows; the collator that turns micro-batches into tensors.
+"""The data side of a run: every ``data.*`` key is read here (and in ``sampler.py``).
+
+``build_training_data`` is the one call the trainer makes: it loads, formats and tokenizes the
+rows, plans this rank's micro-batches (``sampler.py``), and hands back the loader, the eval shard
+and the data-order fingerprint that a resumed run must match.
 
 Tokenization runs once per (file, tokenizer, settings) and is cached by ``datasets``;
 local rank 0 does it while the other ranks wait, then they read the cache. The cached
@@ -11,7 +15,7 @@ import hashlib
 import itertools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,9 +24,13 @@ import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ddptrain.config import DataConfig, Template
+from ddptrain import parallel, signals
+from ddptrain.batch_cost import ceil_div, round_up
+from ddptrain.config import Batching, DataConfig, RunConfig, Template
 from ddptrain.metrics import RANK_ZERO_ONLY
 from ddptrain.model import IGNORE_INDEX
+from ddptrain.parallel import DistEnv
+from ddptrain.sampler import BatchingSpec, DistributedBatchSampler
 from ddptrain.templates import RowError, format_alpaca, format_chat
 
 log = logging.getLogger(__name__)
@@ -43,20 +51,23 @@ class TokenizedData:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_rows(path: str, cache_dir: str | None) -> datasets.Dataset:
+def load_rows(path: str, cache_dir: str | None, key: str = "data.path") -> datasets.Dataset:
     """Read a .json/.jsonl/.parquet file through ``datasets`` (cached as Arrow).
+
+    Args:
+        key: the config key that named the file (``data.path`` or ``data.eval_path``), for errors.
 
     Raises:
         ValueError: unknown extension, or a line that is not valid JSON (named by line number).
     """
     suffix = Path(path).suffix.lower()
     if suffix not in FORMATS:
-        raise ValueError(f"data.path={path}: unsupported file type '{suffix}'; use .json, .jsonl or .parquet.")
+        raise ValueError(f"{key}={path}: unsupported file type '{suffix}'; use .json, .jsonl or .parquet.")
     datasets.disable_progress_bars()
     try:
         return datasets.load_dataset(FORMATS[suffix], data_files=str(path), split="train", cache_dir=cache_dir)
     except Exception as exc:  # datasets wraps parse errors several layers deep
-        raise ValueError(_explain_load_error(path, exc)) from exc
+        raise ValueError(f"{key}={_explain_load_error(path, exc)}") from exc
 
 
 def _explain_load_error(path: str, exc: Exception) -> str:
@@ -70,8 +81,14 @@ def _explain_load_error(path: str, exc: Exception) -> str:
                 except json.JSONDecodeError as err:
                     return f"{path}:{line_no}: not valid JSON ({err.msg}). Fix or remove that line."
                 if not isinstance(row, dict):
-                    return f"{path}:{line_no}: each line must be a JSON object, got {type(row).__name__}."
-    return f"{path}: could not be read as a dataset: {type(exc).__name__}: {exc}"
+                    return (
+                        f"{path}:{line_no}: each line must be a JSON object, got {type(row).__name__}. "
+                        'Write one object per line, e.g. {"instruction": ..., "output": ...}.'
+                    )
+    return (
+        f"{path}: could not be read as a dataset: {type(exc).__name__}: {exc}. It must be a .json list of "
+        "objects, a .jsonl file with one object per line, or a .parquet table."
+    )
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -172,10 +189,10 @@ def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTo
 
 
 def tokenize_file(
-    path: str, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_rows: int | None
+    path: str, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_rows: int | None, key: str = "data.path"
 ) -> tuple[datasets.Dataset, dict[str, int]]:
     """Load and tokenize one file (cached). Returns the dataset and counts to report."""
-    raw = load_rows(path, cfg.cache_dir)
+    raw = load_rows(path, cfg.cache_dir, key)
     if max_rows is not None and max_rows < len(raw):
         raw = raw.select(range(max_rows))
     encoder = RowEncoder(cfg, tokenizer)
@@ -214,13 +231,16 @@ def build_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
     train, stats = tokenize_file(cfg.path, cfg, tokenizer, cfg.max_rows)
     eval_set = None
     if cfg.eval_path is not None:
-        eval_set, eval_stats = tokenize_file(cfg.eval_path, cfg, tokenizer, None)
+        eval_set, eval_stats = tokenize_file(cfg.eval_path, cfg, tokenizer, None, "data.eval_path")
         stats.update({f"eval_{k}": v for k, v in eval_stats.items()})
     elif cfg.eval_fraction > 0:
         split = train.train_test_split(test_size=cfg.eval_fraction, seed=seed)
         train, eval_set = split["train"], split["test"]
     if len(train) == 0:
-        raise ValueError(f"data.path={cfg.path}: no usable rows left after tokenization ({stats}).")
+        raise ValueError(
+            f"data.path={cfg.path}: no usable rows left after tokenization ({stats}). Check that data.template and "
+            "the data.*_field keys match the file's fields, or raise data.max_length."
+        )
     _report(cfg, stats, len(train), eval_set)
     return TokenizedData(train, eval_set, stats)
 
@@ -303,7 +323,7 @@ class Collator:
     def _pad(self, rows: list[list[dict[str, list[int]]]]) -> dict[str, torch.Tensor]:
         samples = [row[0] for row in rows]
         longest = max(len(s["input_ids"]) for s in samples)
-        width = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        width = round_up(longest, self.pad_to_multiple_of)
         input_ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
@@ -335,3 +355,144 @@ class Collator:
             longest = max(lengths)
             batch.update(cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=longest, max_length_k=longest)
         return batch
+
+
+# ----------------------------------------------------------------------------- the data side of a run
+
+
+@dataclass
+class TrainingData:
+    """What the trainer gets from the data side: this rank's micro-batches and eval shard.
+
+    ``sampler`` holds the data position (epoch, micro-steps consumed) that a checkpoint saves;
+    ``fingerprint`` holds the settings that fix which samples each step sees, which a resumed run
+    must share.
+    """
+
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
+    sampler: DistributedBatchSampler
+    loader: torch.utils.data.DataLoader
+    fingerprint: dict[str, Any]
+    eval_collator: Collator
+    eval_micro_batch_size: int
+    env: DistEnv
+
+    def optimizer_steps(self) -> Iterator[list[dict[str, Any]]]:
+        """The rest of the epoch, ``grad_accum_steps`` micro-batches at a time (the last step may be short)."""
+        step: list[dict[str, Any]] = []
+        for batch in self.loader:
+            step.append(batch)
+            if len(step) == self.sampler.spec.grad_accum_steps:
+                yield step
+                step = []
+        if step:
+            yield step
+
+    def steps_per_epochs(self, epochs: int) -> int:
+        """Optimizer steps in the first ``epochs`` epochs (token_budget and packed plans vary by epoch)."""
+        accum = self.sampler.spec.grad_accum_steps
+        return sum(ceil_div(self.sampler.epoch_length(epoch), accum) for epoch in range(epochs))
+
+    def eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's shard of the eval split (every row on exactly one rank), collated on the CPU."""
+        assert self.eval is not None
+        lengths = self.eval["length"]
+        # Sorted by length: neighbours share a padded width, and every rank gets a similar mix.
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        shard = order[self.env.rank :: self.env.world_size]
+        rows = RowsDataset(self.eval)
+        size = self.eval_micro_batch_size
+        for start in range(0, len(shard), size):
+            yield self.eval_collator([rows[(i,)] for i in shard[start : start + size]])
+
+
+def build_training_data(
+    run_cfg: RunConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    env: DistEnv,
+    *,
+    seed: int,
+    grad_accum_steps: int,
+    flash_varlen: bool,
+) -> TrainingData:
+    """Tokenize (local rank 0 first, the others read its cache), plan the batches, build the loader.
+
+    Args:
+        run_cfg: the run config; only its ``data`` group is read here (the values other groups
+            decide arrive as the arguments below), so a reader finds every ``data.*`` key on this side.
+        tokenizer: the model's tokenizer.
+        env: this rank's place in the process group.
+        seed: ``trainer.seed`` (the shuffle, the eval split and the loader's workers).
+        grad_accum_steps: ``optim.grad_accum_steps`` (micro-batches per optimizer step).
+        flash_varlen: the model runs flash-attention's varlen kernel
+            (``model.attn_implementation=flash_attention_2``): packed rows carry their sample lengths.
+
+    Raises:
+        ValueError: unreadable data, or too little of it for one micro-step (naming the key).
+    """
+    cfg = run_cfg.data
+    with parallel.local_rank_zero_first(env, cfg.prepare_timeout_s, "tokenizing the dataset"):
+        data = build_datasets(cfg, tokenizer, seed)
+    spec = build_batching_spec(cfg, env.world_size, grad_accum_steps, seed)
+    sampler = DistributedBatchSampler(data.train["length"], spec, env.rank)
+    parallel.check_same_on_all_ranks(
+        len(sampler), "micro-batches per epoch", "Every rank must build the same batch plan; this is a bug."
+    )
+    log.info(
+        "batches: %d micro-batches per rank per epoch (data.batching=%s), %d per optimizer step",
+        len(sampler),
+        cfg.batching.value,
+        grad_accum_steps,
+    )
+    collator = build_collator(cfg, tokenizer.pad_token_id, flash_varlen)
+    loader = torch.utils.data.DataLoader(
+        RowsDataset(data.train),
+        batch_sampler=sampler,
+        collate_fn=collator,
+        num_workers=cfg.num_workers,
+        pin_memory=env.device.type == "cuda",
+        persistent_workers=False,
+        # Its own generator: otherwise every new iterator draws its base seed from the global RNG,
+        # and a run resumed mid-epoch would draw at another point than the uninterrupted run did,
+        # shifting every dropout mask after it.
+        generator=torch.Generator().manual_seed(seed),
+        # A terminal's Ctrl-C or a scheduler's SIGTERM reaches every process of the job: the
+        # loader's workers leave the stop to the training process, which shuts them down.
+        worker_init_fn=signals.ignore_stop_signals,
+    )
+    fingerprint = {
+        "world_size": env.world_size,
+        "seed": seed,
+        "grad_accum_steps": grad_accum_steps,
+        "path": cfg.path,
+        "max_rows": cfg.max_rows,
+        "eval_fraction": cfg.eval_fraction,
+        "max_length": cfg.max_length,
+        "batching": cfg.batching.value,
+        "micro_batch_size": cfg.micro_batch_size,
+        "max_tokens_per_batch": cfg.max_tokens_per_batch,
+        "pad_to_multiple_of": cfg.pad_to_multiple_of,
+        "dataset_rows": len(data.train),
+    }
+    eval_collator = Collator(tokenizer.pad_token_id, cfg.pad_to_multiple_of)
+    return TrainingData(data.train, data.eval, sampler, loader, fingerprint, eval_collator, cfg.micro_batch_size, env)
+
+
+def build_batching_spec(cfg: DataConfig, world_size: int, grad_accum_steps: int, seed: int) -> BatchingSpec:
+    """The sampler's spec from the ``data`` group, with the values other groups own passed in."""
+    return BatchingSpec(
+        mode=cfg.batching,
+        world_size=world_size,
+        micro_batch_size=cfg.micro_batch_size,
+        max_tokens_per_batch=cfg.max_tokens_per_batch,
+        grad_accum_steps=grad_accum_steps,
+        pad_to_multiple_of=cfg.pad_to_multiple_of,
+        seed=seed,
+        costliest_first=cfg.costliest_first,
+    )
+
+
+def build_collator(cfg: DataConfig, pad_id: int, flash_varlen: bool = False) -> Collator:
+    """The training collator: padded rows, or one packed row (with flash-attention's lengths if asked)."""
+    return Collator(pad_id, cfg.pad_to_multiple_of, packed=cfg.batching == Batching.packed, flash_varlen=flash_varlen)

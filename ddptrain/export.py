@@ -38,14 +38,27 @@ def locate(source: Path) -> tuple[Path, Path]:
         return source, source / "adapter"
     newest = checkpoint.newest_complete(source / "checkpoints")
     if newest is None:
-        raise checkpoint.CheckpointError(f"{source}: neither a run directory with adapter/ nor a checkpoint.")
+        raise checkpoint.CheckpointError(
+            f"{source}: not a checkpoint, and no adapter/ folder or complete checkpoint under it: pass as source "
+            "a run directory of python -m ddptrain (outputs/<run>) or one of its checkpoints/step-N folders."
+        )
     return source, newest / checkpoint.WEIGHTS
 
 
 def load_run_config(run_dir: Path) -> RunConfig:
-    """The resolved config a run saved in ``config.yaml``, typed."""
+    """The resolved config a run saved in ``config.yaml``, typed.
+
+    Raises:
+        checkpoint.CheckpointError: the run directory has no ``config.yaml``.
+    """
     register_configs()
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(run_dir / "config.yaml"))
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        raise checkpoint.CheckpointError(
+            f"{run_dir} has no config.yaml, which python -m ddptrain writes into every run directory: pass as "
+            "source a run directory it made (or a checkpoints/step-N folder inside one), not a copy of the weights."
+        )
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(saved))
     return OmegaConf.to_object(merged)
 
 

@@ -1,13 +1,22 @@
-"""Starting workers: self-launch through torch's elastic launch API, and the worker body.
+"""How this process was started and what it does about it: train here, or self-launch the workers.
 
-``python -m ddptrain parallel=ddp2`` (no torchrun) calls ``launch``: it binds a TCPStore
-to a free port on 127.0.0.1 (race-free: the socket stays bound from the moment the port
-is chosen), runs the elastic rendezvous over a file store (so nothing else listens), and
-starts ``nproc_per_node`` copies of ``worker``. Under torchrun, ``worker`` runs directly
-on every rank.
+``python -m ddptrain`` passes its command line through ``hydra_argv`` before Hydra composes the
+config, then hands the validated config to ``run``, which dispatches on how the process was
+started (``started.Start``):
+
+- torchrun: this process is one rank. ``run`` checks that torchrun started
+  ``parallel.nproc_per_node`` processes, finds the run folder (rank 0's Hydra folder, or after a
+  ``--max-restarts`` restart the first attempt's, from the restart marker) and runs ``worker``.
+- one process (``parallel.nproc_per_node`` 1 or null): ``worker`` runs here.
+- otherwise ``launch``: it binds a TCPStore to a free port on 127.0.0.1 (race-free: the socket
+  stays bound from the moment the port is chosen), runs the elastic rendezvous over a file store
+  (so nothing else listens), and starts ``nproc_per_node`` copies of ``worker``.
 
 Stopping by signal (``ddptrain/signals.py``): the launcher passes SIGTERM and Ctrl-C on to its
-workers and keeps collecting their results; each worker saves a checkpoint and returns.
+workers and keeps collecting their results; each worker saves a checkpoint and returns, and
+``run`` prints where the checkpoint is and exits with the code for it.
+
+Nothing here imports torch at module level: a bad config fails before torch loads.
 """
 
 from __future__ import annotations
@@ -24,14 +33,125 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
-
-from torch.distributed.elastic.multiprocessing.errors import record
+from typing import TYPE_CHECKING, Any
 
 from ddptrain import signals
 from ddptrain.config import RunConfig, to_yaml
+from ddptrain.started import Start
+
+if TYPE_CHECKING:  # metrics loads torch: only once the config is valid (see `run`)
+    from ddptrain.metrics import Console, NullConsole
 
 log = logging.getLogger(__name__)
+
+
+def hydra_argv(argv: list[str], start: Start | None = None) -> list[str]:
+    """The command line Hydra should read: no sweep under torchrun, one process makes the run folder.
+
+    Under torchrun every rank composes the config; the ranks that ``Start.makes_run_folder`` rules
+    out run Hydra with ``hydra.output_subdir=null hydra.run.dir=.``, so they create no folder.
+
+    Args:
+        argv: ``sys.argv``.
+        start: how this process was started; None reads it from the environment.
+
+    Raises:
+        SystemExit: ``-m``/``--multirun`` under torchrun, naming the command to run instead.
+    """
+    start = start or Start.from_environ()
+    if start.elastic and any(a in ("-m", "--multirun") for a in argv[1:]):
+        sys.exit(
+            "ddptrain: sweeps (-m) start a fresh process group per job, which torchrun cannot do: "
+            "run `python -m ddptrain -m ...` (it launches each job's workers itself)."
+        )
+    if start.makes_run_folder:
+        return argv
+    return [*argv, "hydra.output_subdir=null", "hydra.run.dir=."]
+
+
+def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
+    """Train as this process was started (see the module docstring), then exit as the run ended.
+
+    Exit codes of ``python -m ddptrain``: 0 finished; 75 stopped by SIGTERM or Ctrl-C after saving a
+    checkpoint (``signals.STOPPED_EXIT_CODE``: the same command with ``trainer.resume=<run dir>``
+    continues); 130 aborted by a second Ctrl-C; 1 failed. Under torchrun a rank stopped by a
+    signal exits 0: a non-zero exit would make ``torchrun --max-restarts`` restart the group.
+
+    Args:
+        cfg: validated run config.
+        hydra_dir: the folder Hydra made for this run (the working directory on torchrun's ranks
+            that make none, see ``hydra_argv``).
+
+    Returns:
+        The final training loss (for Hydra's sweepers), None when the worker returned nothing.
+
+    Raises:
+        SystemExit: parallel.nproc_per_node disagrees with torchrun's count, the self-launched
+            workers failed or were aborted, or the run stopped on a signal (codes above).
+    """
+    from ddptrain.metrics import FORMAT, build_console
+
+    # This process's log until the worker sets up its own (the launcher's lines, start-up warnings).
+    logging.basicConfig(level=logging.INFO, format=FORMAT)
+    start = Start.from_environ()
+    console = build_console(start.is_rank_zero)
+    run_dir = hydra_dir
+    if start.elastic:
+        _check_torchrun_size(cfg.parallel.nproc_per_node, start.local_world_size)
+        run_dir = _torchrun_run_dir(hydra_dir, Path(cfg.trainer.output_dir), start, console)
+        result = worker(cfg, str(run_dir), None, start)
+    elif (cfg.parallel.nproc_per_node or 1) == 1:
+        result = worker(cfg, str(run_dir), None, start)
+    else:
+        result = _self_launch(cfg, run_dir, console)
+    _exit_if_stopped(result, run_dir, start, console)
+    return result.get("loss") if result else None
+
+
+def _check_torchrun_size(nproc_per_node: int | None, started: int) -> None:
+    if nproc_per_node is not None and nproc_per_node != started:
+        sys.exit(
+            f"ddptrain: parallel.nproc_per_node={nproc_per_node} but torchrun started {started} processes per node: "
+            f"launch with --nproc_per_node {nproc_per_node}, or pick the matching parallel= option "
+            "(parallel=auto adopts torchrun's count)."
+        )
+
+
+def _torchrun_run_dir(hydra_dir: Path, output_dir: Path, start: Start, console: Console | NullConsole) -> Path:
+    """The run directory under torchrun, kept across ``--max-restarts`` restarts.
+
+    A restarted group must find its own checkpoints (trainer.resume=auto), but Hydra would
+    pick a new timestamped folder; rank 0 of the first attempt leaves its folder's name in
+    ``<trainer.output_dir>/.torchrun/<rendezvous id>`` for the restarts to read.
+    """
+    marker = output_dir / ".torchrun" / start.run_id
+    if start.restart_count > 0 and marker.is_file():
+        return Path(marker.read_text().strip())
+    console.write_file(marker, f"{hydra_dir}\n")
+    return hydra_dir
+
+
+def _self_launch(cfg: RunConfig, run_dir: Path, console: Console | NullConsole) -> dict[str, Any] | None:
+    """``launch`` with its failures turned into one line and an exit code."""
+    try:
+        return launch(cfg, run_dir)
+    except RuntimeError as err:
+        sys.exit(f"ddptrain: {err}")
+    except signals.Aborted:
+        console.say(signals.stopped_line("aborted by a second Ctrl-C", run_dir, None))
+        sys.exit(signals.ABORTED_EXIT_CODE)
+
+
+def _exit_if_stopped(
+    result: dict[str, Any] | None, run_dir: Path, start: Start, console: Console | NullConsole
+) -> None:
+    """After SIGTERM or Ctrl-C: one line saying where the checkpoint is, and the exit code for it."""
+    if not result or signals.STOPPED_BY not in result:
+        return
+    how = f"stopped by {result[signals.STOPPED_BY]}"
+    console.say(signals.stopped_line(how, run_dir, result[signals.STOPPED_AT_STEP]))
+    if not start.elastic:  # under torchrun the rank returns and exits 0: see ``run``
+        sys.exit(signals.STOPPED_EXIT_CODE)
 
 
 def bind_store_socket(port: int) -> socket.socket:
@@ -162,30 +282,44 @@ def _failure_summary(exc: Any) -> str:
     return "\n".join(lines)
 
 
-@record  # failures reach the launcher with their message, not just an exit code
-def worker(cfg: RunConfig, run_dir: str | None, store_port: int | None) -> dict[str, Any]:
+def worker(cfg: RunConfig, run_dir: str, store_port: int | None, start: Start | None = None) -> dict[str, Any] | None:
     """The body of every rank: join the group, agree on the run directory, train, leave.
+
+    Runs under elastic's ``record``: a failure reaches the launcher with its message, not just
+    an exit code.
 
     Args:
         cfg: validated run config.
-        run_dir: the run directory (self-launch), or None under torchrun, where rank 0's
-            Hydra folder is broadcast to the others.
-        store_port: the launcher's store port (self-launch) or None (torchrun).
+        run_dir: this process's run directory: the launcher's, the single process's Hydra folder,
+            or under torchrun each rank's own (see ``run``). Rank 0's is broadcast: every rank
+            uses that one.
+        store_port: the launcher's store port (self-launch), or None (torchrun, one process).
+        start: how this process was started; None (``launch``'s workers) reads it from the environment.
+
+    Returns:
+        ``Trainer.fit``'s result (with ``signals.STOPPED_BY`` after a stop by signal), or None
+        when the body exited with ``sys.exit(0)``.
     """
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_train_on_this_rank)(cfg, run_dir, store_port, start)
+
+
+def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, start: Start | None) -> dict[str, Any]:
     from ddptrain import parallel
-    from ddptrain.metrics import setup_logging
+    from ddptrain.metrics import build_console, setup_logging
     from ddptrain.trainer import Trainer
 
-    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port, start)
     try:
         agreed = Path(parallel.broadcast_object(run_dir))
-        setup_logging(env.rank, agreed if env.is_rank_zero else None)
-        if env.is_rank_zero:
-            (agreed / "config.yaml").write_text(to_yaml(cfg))
+        setup_logging(env.rank, agreed)
+        console = build_console(env.is_rank_zero)
+        console.write_file(agreed / "config.yaml", to_yaml(cfg))
         log.info("rank %d of %d on %s (%s)", env.rank, env.world_size, env.device, env.backend)
         result = Trainer(cfg, env, agreed).fit()
-        if env.is_rank_zero and signals.STOPPED_BY not in result:
-            print(f"ddptrain: done. Results in {agreed}", file=sys.stderr)
+        if signals.STOPPED_BY not in result:
+            console.say(f"ddptrain: done. Results in {agreed}")
         return result
     finally:
         parallel.teardown()

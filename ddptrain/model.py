@@ -7,6 +7,7 @@ forward (a loss computed outside the wrapper silently skips gradient sync).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from ddptrain.config import DType, ModelConfig, ModelInit
+from ddptrain.config import Attention, DType, ModelConfig, ModelInit
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +294,19 @@ LIGER_KERNELS = {
     "cross_entropy": False,
     "fused_linear_cross_entropy": False,
 }
+
+
+def autocast(precision: DType, device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward pass's mixed precision (``trainer.precision``): none for fp32."""
+    if precision == DType.fp32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=TORCH_DTYPES[precision])
+
+
+def wants_varlen_lengths(cfg: ModelConfig) -> bool:
+    """Whether packed rows should carry their sample lengths: flash-attention's varlen kernel takes them
+    (``model.attn_implementation=flash_attention_2``); other kernels find samples from the position ids."""
+    return cfg.attn_implementation == Attention.flash_attention_2
 
 
 def mark_target_count_dynamic(batch: dict[str, Any]) -> dict[str, Any]:

@@ -46,3 +46,12 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup + cosine/linear/constant schedule over ``total_steps`` optimizer steps."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
+
+
+def clip_gradients(params: list[torch.Tensor], cfg: OptimConfig) -> torch.Tensor:
+    """Clip the (already unscaled) gradients to ``optim.max_grad_norm`` (null: measure only).
+
+    Returns:
+        The total gradient norm before clipping, on the device (reading it would wait for the step).
+    """
+    return torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)

@@ -25,13 +25,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain.config import Backend, CommHook, Device, ParallelConfig
+from ddptrain.started import Start
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Where collective tensors must live: NCCL reduces CUDA tensors only, gloo CPU ones.
 _collective_device = torch.device("cpu")
-
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
 
 @dataclass(frozen=True)
@@ -54,12 +53,9 @@ class DistEnv:
         return self.local_rank == 0
 
 
-def launched_by_torchrun() -> bool:
-    """True inside a worker that torchrun (or any elastic agent) started."""
-    return all(name in os.environ for name in TORCHRUN_VARS)
-
-
-def init_distributed(cfg: ParallelConfig, device: Device, store_port: int | None = None) -> DistEnv:
+def init_distributed(
+    cfg: ParallelConfig, device: Device, store_port: int | None = None, start: Start | None = None
+) -> DistEnv:
     """Join (or, alone, create) the process group and pin this process to its device.
 
     Args:
@@ -67,6 +63,8 @@ def init_distributed(cfg: ParallelConfig, device: Device, store_port: int | None
         device: ``trainer.device``.
         store_port: port of the launcher's TCPStore on 127.0.0.1 (self-launch); None under
             torchrun, where the group forms from torchrun's MASTER_ADDR/MASTER_PORT.
+        start: this process's rank, world size and restart count as its launcher set them;
+            None reads them from the environment (``Start.from_environ``).
 
     Returns:
         The DistEnv of this process.
@@ -74,21 +72,21 @@ def init_distributed(cfg: ParallelConfig, device: Device, store_port: int | None
     Raises:
         RuntimeError: CUDA asked for but missing, or nccl asked for without CUDA.
     """
-    rank, local_rank, world_size, local_world_size = _rank_facts()
-    torch_device = _pick_device(device, local_rank)
+    start = start or Start.from_environ()
+    torch_device = _pick_device(device, start.local_rank)
     backend = _pick_backend(cfg.backend, torch_device)
     timeout = timedelta(seconds=cfg.timeout_s)
-    if world_size == 1 and store_port is None:
+    if start.world_size == 1 and store_port is None:
         store: dist.Store = dist.HashStore()
     else:
-        store = _rendezvous_store(rank, store_port, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        store = _rendezvous_store(start.rank, store_port, timeout, start.restart_count)
+    dist.init_process_group(backend, store=store, rank=start.rank, world_size=start.world_size, timeout=timeout)
     global _collective_device
     _collective_device = torch_device if backend == "nccl" else torch.device("cpu")
-    return DistEnv(rank, local_rank, world_size, local_world_size, torch_device, backend)
+    return DistEnv(start.rank, start.local_rank, start.world_size, start.local_world_size, torch_device, backend)
 
 
-def _rendezvous_store(rank: int, store_port: int | None, timeout: timedelta) -> dist.Store:
+def _rendezvous_store(rank: int, store_port: int | None, timeout: timedelta, attempt: int) -> dist.Store:
     """The store the group forms over, namespaced by restart attempt.
 
     Self-launch: the launcher's store on 127.0.0.1. torchrun: MASTER_ADDR:MASTER_PORT, which the
@@ -106,13 +104,7 @@ def _rendezvous_store(rank: int, store_port: int | None, timeout: timedelta) -> 
             timeout=timeout,
             wait_for_workers=False,
         )
-    return dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def _rank_facts() -> tuple[int, int, int, int]:
-    if not launched_by_torchrun():
-        return 0, 0, 1, 1
-    return tuple(int(os.environ[name]) for name in TORCHRUN_VARS)  # type: ignore[return-value]
+    return dist.PrefixStore(f"attempt{attempt}", store)
 
 
 def _pick_device(device: Device, local_rank: int) -> torch.device:
@@ -461,3 +453,39 @@ def check_replicas_agree(model: nn.Module) -> None:
         "Every rank must build the same model: point model.name_or_path at the same files on every node, "
         "and keep model.init=random runs on the same seed (trainer.seed) and transformers version.",
     )
+
+
+def check_every_trainable_param_has_a_gradient(model: nn.Module, cfg: ParallelConfig) -> None:
+    """After the first backward: name trainable parameters that got no gradient on any rank.
+
+    Under DDP such a parameter stalls its gradient bucket and the next step fails with
+    "Expected to have finished reduction in the prior iteration"; say which ones and why.
+
+    Raises:
+        RuntimeError: some did, with several ranks and ``parallel.find_unused_parameters=false``.
+    """
+    missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None)
+    unused = sorted(set().union(*all_gather_object(missing)))
+    if not unused:
+        return
+    names = ", ".join(unused[:10]) + (f" and {len(unused) - 10} more" if len(unused) > 10 else "")
+    if dist.get_world_size() > 1 and not cfg.find_unused_parameters:
+        raise RuntimeError(
+            f"{len(unused)} trainable parameters received no gradient in step 1: {names}. Freeze them "
+            "(e.g. narrow model.lora_target_modules), or set parallel.find_unused_parameters=true."
+        )
+    log.warning("%d trainable parameters received no gradient in step 1: %s", len(unused), names)
+
+
+def check_trainable_params_agree(model: nn.Module) -> None:
+    """After step 1: every rank holds the same trainable weights, so the gradients were synchronised.
+
+    Raises:
+        RuntimeError: naming each rank's checksum; the loss was computed outside the DDP-wrapped module.
+    """
+    checksums = all_gather_object(trainable_checksum(model))
+    if any(c != checksums[0] for c in checksums):
+        raise RuntimeError(
+            f"trainable parameters differ between ranks after step 1 (checksums {checksums}): gradients "
+            "were not synchronised. The loss must be computed inside the DDP-wrapped module."
+        )

@@ -47,10 +47,11 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from ddptrain.batch_cost import CostRule, ceil_div, cost_rule, round_up
 from ddptrain.config import Batching
 
 Row = tuple[int, ...]
@@ -83,19 +84,26 @@ class BatchingSpec:
     """Shuffling seed, combined with the epoch."""
     costliest_first: bool = True
     """Put the micro-step with the largest per-rank padded cost first, so an OOM shows at once."""
+    cost: CostRule = field(init=False, repr=False, compare=False)
+    """Padded tokens of a micro-batch from its samples' lengths (``batch_cost.cost_rule``, chosen once)."""
 
     def __post_init__(self):
         object.__setattr__(self, "mode", Batching(self.mode))
-        problems = [f"{name} must be >= {low}, got {value}" for name, value, low in self._bounds() if value < low]
+        object.__setattr__(self, "cost", cost_rule(self.mode is Batching.packed, max(self.pad_to_multiple_of, 1)))
+        problems = [
+            f"{name} must be >= {low}, got {value}: set {name}={low} or more"
+            for name, value, low in self._bounds()
+            if value < low
+        ]
         if problems:
-            raise ValueError("invalid BatchingSpec: " + "; ".join(problems))
+            raise ValueError("invalid batching: " + "; ".join(problems))
 
     def _bounds(self) -> list[tuple[str, int, int]]:
         bounds = [
-            ("world_size", self.world_size, 1),
-            ("grad_accum_steps", self.grad_accum_steps, 1),
-            ("pad_to_multiple_of", self.pad_to_multiple_of, 1),
-            ("seed", self.seed, 0),
+            ("parallel.nproc_per_node", self.world_size, 1),
+            ("optim.grad_accum_steps", self.grad_accum_steps, 1),
+            ("data.pad_to_multiple_of", self.pad_to_multiple_of, 1),
+            ("trainer.seed", self.seed, 0),
         ]
         if self.mode in (Batching.random, Batching.length_grouped):
             return [*bounds, ("data.micro_batch_size", self.micro_batch_size, 1)]
@@ -103,11 +111,6 @@ class BatchingSpec:
 
 
 # ----------------------------------------------------------------------------- costs
-
-
-def round_up(value: int, multiple: int) -> int:
-    """Smallest multiple of ``multiple`` that is >= ``value``."""
-    return -(-value // multiple) * multiple
 
 
 def micro_batch_cost(batch: MicroBatch, lengths, spec: BatchingSpec) -> tuple[int, int]:
@@ -125,12 +128,8 @@ def micro_batch_cost(batch: MicroBatch, lengths, spec: BatchingSpec) -> tuple[in
     Returns:
         ``(real, padded)`` token counts.
     """
-    row_lengths = [sum(int(lengths[i]) for i in row) for row in batch]
-    real = sum(row_lengths)
-    longest = max(row_lengths, default=0)
-    if spec.mode is not Batching.packed:
-        longest = round_up(longest, spec.pad_to_multiple_of)
-    return real, len(batch) * longest
+    sample_lengths = [int(lengths[i]) for row in batch for i in row]
+    return sum(sample_lengths), spec.cost(sample_lengths)
 
 
 def _to_micro_batch(unit: Sequence[int], mode: Batching) -> MicroBatch:
@@ -182,7 +181,10 @@ def _check_lengths(lengths, spec: BatchingSpec) -> np.ndarray:
         raise ValueError(f"lengths must be a 1-D integer array, got shape {lengths.shape} dtype {lengths.dtype}")
     lengths = lengths.astype(np.int64)
     if lengths.size and lengths.min() < 1:
-        raise ValueError(f"every sample needs at least one token; sample {int(lengths.argmin())} has 0")
+        raise ValueError(
+            f"every sample needs at least one token; sample {int(lengths.argmin())} has 0. The data side drops "
+            "empty rows: pass the token lengths of data.path's tokenized rows."
+        )
     n, world = len(lengths), spec.world_size
     if spec.mode in (Batching.random, Batching.length_grouped):
         need = world * spec.micro_batch_size
@@ -195,7 +197,7 @@ def _check_lengths(lengths, spec: BatchingSpec) -> np.ndarray:
     if n < world:
         raise ValueError(
             f"dataset has {n} samples but each of the {world} ranks needs at least one per micro-step: "
-            "add data or run fewer processes."
+            "add rows (data.path, data.max_rows) or run fewer processes (parallel.nproc_per_node)."
         )
     _check_fits(lengths, spec)
     return lengths
@@ -204,7 +206,7 @@ def _check_lengths(lengths, spec: BatchingSpec) -> np.ndarray:
 def _check_fits(lengths: np.ndarray, spec: BatchingSpec) -> None:
     """Raise when the longest sample alone exceeds the token budget (the config should prevent it)."""
     longest = int(lengths.max())
-    cost = longest if spec.mode is Batching.packed else round_up(longest, spec.pad_to_multiple_of)
+    cost = spec.cost([longest])
     if cost > spec.max_tokens_per_batch:
         raise ValueError(
             f"data.max_tokens_per_batch={spec.max_tokens_per_batch} cannot hold the longest sample "
@@ -225,7 +227,7 @@ def _plan_length_grouped(lengths: np.ndarray, spec: BatchingSpec, rng: np.random
     """Micro-batches of neighbours in length, then micro-steps of micro-batches of similar padded cost."""
     world, rows = spec.world_size, spec.micro_batch_size
     steps = _plan_random(lengths, spec, rng).reshape(-1, world * rows)
-    n_megas = -(-len(steps) // _mega_steps(len(steps)))
+    n_megas = ceil_div(len(steps), _mega_steps(len(steps)))
     units: list[list[int]] = []
     for mega in np.array_split(steps, n_megas):
         flat = mega.reshape(-1)
@@ -263,7 +265,7 @@ def _fill_mega_batches(lengths: np.ndarray, spec: BatchingSpec, rng: np.random.G
     """Fill units within each shuffled mega-batch; return (full units, samples of units that still have room)."""
     rows_per_unit = max(1, spec.max_tokens_per_batch // max(1, int(lengths.mean())))
     n_steps_estimate = len(lengths) // (spec.world_size * rows_per_unit)
-    n_megas = max(1, -(-n_steps_estimate // _mega_steps(n_steps_estimate)))
+    n_megas = max(1, ceil_div(n_steps_estimate, _mega_steps(n_steps_estimate)))
     shortest = int(lengths.min())
     units: list[list[int]] = []
     carry: list[int] = []
@@ -285,10 +287,8 @@ def _fill(pool: np.ndarray, lengths: np.ndarray, spec: BatchingSpec) -> list[lis
 
 
 def _has_room(unit: list[int], lengths: np.ndarray, spec: BatchingSpec, shortest: int) -> bool:
-    """Whether the unit could take one more sample (packed: the shortest; else one as long as its own rows)."""
-    if spec.mode is Batching.packed:
-        return int(lengths[unit].sum()) + shortest <= spec.max_tokens_per_batch
-    return (len(unit) + 1) * round_up(int(lengths[unit].max()), spec.pad_to_multiple_of) <= spec.max_tokens_per_batch
+    """Whether the unit could still take the dataset's shortest sample within the budget."""
+    return spec.cost([*lengths[unit].tolist(), shortest]) <= spec.max_tokens_per_batch
 
 
 def _fill_budget(order: np.ndarray, lengths: np.ndarray, spec: BatchingSpec) -> list[list[int]]:
@@ -296,8 +296,7 @@ def _fill_budget(order: np.ndarray, lengths: np.ndarray, spec: BatchingSpec) -> 
     units, start = [], 0
     while start < len(order):
         # Sorted order: the first row is the longest, so it fixes the padded length of the micro-batch.
-        padded = round_up(int(lengths[order[start]]), spec.pad_to_multiple_of)
-        rows = max(1, spec.max_tokens_per_batch // padded)
+        rows = max(1, spec.max_tokens_per_batch // spec.cost([int(lengths[order[start]])]))
         units.append(order[start : start + rows].tolist())
         start += rows
     return units
@@ -324,9 +323,7 @@ def _pack_best_fit(order: np.ndarray, lengths: np.ndarray, spec: BatchingSpec) -
 
 def _unit_cost(unit: Sequence[int], lengths: np.ndarray, spec: BatchingSpec) -> int:
     """Padded tokens of a planning unit (a list of sample indices)."""
-    if spec.mode is Batching.packed:
-        return int(lengths[unit].sum())
-    return len(unit) * round_up(int(lengths[unit].max()), spec.pad_to_multiple_of)
+    return spec.cost(lengths[unit].tolist())
 
 
 def _group_by_cost(units: list[list[int]], lengths: np.ndarray, spec: BatchingSpec) -> list[list[list[int]]]:
@@ -387,10 +384,14 @@ def _balanced_units(order: np.ndarray, k: int, lengths: np.ndarray, spec: Batchi
 
 
 def _next_cost(unit: list[int], lengths: np.ndarray, spec: BatchingSpec) -> int:
-    """Cost of ``unit`` after one more sample no longer than its shortest (samples arrive longest first)."""
+    """Heap key of ``unit`` for the next sample, which is no longer than any in it (samples arrive longest first).
+
+    Packed: the tokens so far (a sample adds only its own length). Padded: the cost once one more row of
+    the unit's padded width is added.
+    """
     if spec.mode is Batching.packed:
         return _unit_cost(unit, lengths, spec)
-    return (len(unit) + 1) * round_up(int(lengths[unit].max()), spec.pad_to_multiple_of)
+    return _unit_cost([*unit, unit[-1]], lengths, spec)
 
 
 def _costliest_first(plan: list[list[MicroBatch]], lengths: np.ndarray, spec: BatchingSpec) -> list[list[MicroBatch]]:
@@ -492,5 +493,9 @@ class DistributedBatchSampler:
 
     def _set_position(self, position: int) -> None:
         if not 0 <= position <= len(self._plan):
-            raise ValueError(f"position {position} is outside epoch {self._epoch}'s 0..{len(self._plan)} micro-steps")
+            raise ValueError(
+                f"position {position} is outside epoch {self._epoch}'s 0..{len(self._plan)} micro-steps: the "
+                "checkpoint was saved with another batch plan. Resume with its data.* settings and number of "
+                "processes, or set trainer.resume=none."
+            )
         self._position = position

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ddptrain.config import Batching, DType, RunConfig
+from ddptrain.config import DType, RunConfig
 
 
 def run_job(cfg: RunConfig, run_dir: str, store_port: int | None) -> dict[str, Any]:
@@ -156,29 +156,19 @@ def _hand_loop(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict)
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddptrain.data import Collator, RowsDataset
+    from ddptrain.data import RowsDataset, build_batching_spec, build_collator
     from ddptrain.model import CausalLMLoss
-    from ddptrain.sampler import BatchingSpec, DistributedBatchSampler
+    from ddptrain.sampler import DistributedBatchSampler
 
     device = _device()
     _init_group(device, store_port)
     rank, world = dist.get_rank(), dist.get_world_size()
     tokenizer, data, model = _data_and_model(cfg, device)
-    d = cfg.data
-    spec = BatchingSpec(
-        mode=d.batching,
-        world_size=world,
-        micro_batch_size=d.micro_batch_size,
-        max_tokens_per_batch=d.max_tokens_per_batch,
-        grad_accum_steps=1,
-        pad_to_multiple_of=d.pad_to_multiple_of,
-        seed=cfg.trainer.seed,
-        costliest_first=d.costliest_first,
-    )
+    spec = build_batching_spec(cfg.data, world, grad_accum_steps=1, seed=cfg.trainer.seed)
     loader = torch.utils.data.DataLoader(
         RowsDataset(data.train),
         batch_sampler=DistributedBatchSampler(data.train["length"], spec, rank),
-        collate_fn=Collator(tokenizer.pad_token_id, d.pad_to_multiple_of, packed=d.batching == Batching.packed),
+        collate_fn=build_collator(cfg.data, tokenizer.pad_token_id),
         num_workers=0,
     )
     loss_module = CausalLMLoss(model, cfg.model.loss_chunk_tokens)  # the same loss path as ddptrain

@@ -1,6 +1,6 @@
 """Gradient checkpointing's effect on activation memory (``python -m ddptrain.bench.throughput --memory``).
 
-The benchmark model (``throughput.MODEL_CONFIG``), built by ddptrain's ``build_model`` with and
+The benchmark model (``throughput_model.MODEL_CONFIG``), built by ddptrain's ``build_model`` with and
 without ``model.gradient_checkpointing``, runs one forward + backward of ddptrain's loss module on
 ``--micro-batch-size`` rows of ``--memory-length`` tokens: real Alpaca samples (ddptrain's
 tokenization, prompt masked) laid end to end, the first token of each sample not a target, as
@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ddptrain.bench.throughput_model import LORA_RANK, write_model_config
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -98,7 +100,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         name_or_path=str(args.model_dir),
         init=ModelInit.random,
         tokenizer=str(args.tokenizer),
-        lora_rank=16,
+        lora_rank=LORA_RANK,
         lora_alpha=32,
         lora_dropout=0.0,
         gradient_checkpointing=args.checkpointing,
@@ -147,8 +149,6 @@ def measure(args: argparse.Namespace, model_dir: Path, checkpointing: bool, scop
 def main(args: argparse.Namespace, repeats: int = 1) -> None:
     """Interleave with/without checkpointing for each scope; print the table (or JSON)."""
     import tempfile
-
-    from ddptrain.bench.throughput import write_model_config
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ddptrain-bench-mem-"))
     model_dir = write_model_config(workdir)

@@ -1,0 +1,46 @@
+"""How a process was started, read before Hydra runs: torchrun's variables, the restart count, the argv Hydra gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddptrain import launch
+from ddptrain.started import Start
+
+TORCHRUN_RANK1 = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+ARGV = ["ddptrain", "trainer.max_steps=1"]
+QUIET = ["hydra.output_subdir=null", "hydra.run.dir=."]
+
+
+def test_alone_without_the_launchers_variables() -> None:
+    assert Start.from_environ({}) == Start(elastic=False)
+    # Three of the four variables are not a launcher's: still alone.
+    assert not Start.from_environ({k: v for k, v in TORCHRUN_RANK1.items() if k != "LOCAL_RANK"}).elastic
+
+
+def test_torchrun_variables_and_restart_count_are_read() -> None:
+    start = Start.from_environ({**TORCHRUN_RANK1, "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job7"})
+    assert start == Start(True, rank=1, local_rank=1, world_size=4, local_world_size=2, restart_count=2, run_id="job7")
+    assert not start.is_rank_zero
+
+
+@pytest.mark.parametrize(
+    ("environ", "makes_folder"),
+    [
+        ({}, True),
+        ({**TORCHRUN_RANK1, "RANK": "0"}, True),
+        (TORCHRUN_RANK1, False),
+        ({**TORCHRUN_RANK1, "RANK": "0", "TORCHELASTIC_RESTART_COUNT": "1"}, False),
+    ],
+    ids=["alone", "torchrun-rank0", "torchrun-rank1", "torchrun-rank0-restarted"],
+)
+def test_only_one_process_lets_hydra_make_the_run_folder(environ: dict[str, str], makes_folder: bool) -> None:
+    start = Start.from_environ(environ)
+    assert start.makes_run_folder is makes_folder
+    assert launch.hydra_argv(ARGV, start) == (ARGV if makes_folder else [*ARGV, *QUIET])
+
+
+def test_a_sweep_under_torchrun_is_refused_naming_the_command_to_run() -> None:
+    with pytest.raises(SystemExit, match=r"run `python -m ddptrain -m \.\.\.`"):
+        launch.hydra_argv([*ARGV, "-m"], Start.from_environ(TORCHRUN_RANK1))
+    assert launch.hydra_argv([*ARGV, "-m"], Start.from_environ({})) == [*ARGV, "-m"]
