@@ -1,10 +1,11 @@
-"""What a micro-batch costs in padded tokens: the one rule the sampler, the collator and the config share.
+"""What a micro-batch costs in padded tokens: the one rule the sampler and the config share.
 
 A micro-batch is a list of rows. Every row is as long as the longest one, rounded up to
 ``data.pad_to_multiple_of``: its cost is ``rows × round_up(longest row)``. A packed micro-batch is a
 single row of concatenated samples with nothing rounded, so it costs the sum of its samples. The
 rule is chosen once per batching mode (``cost_rule``), and every caller then passes the token
-lengths of the samples in one micro-batch.
+lengths of the samples in one micro-batch. The collator pads with the same ``round_up``; the tests
+and ``bench/samplers.py`` measure costs on their own, from tensors and plans, as an independent check.
 
 No torch, no numpy, no ddptrain imports: ``config.py`` checks the budget before any worker starts.
 """

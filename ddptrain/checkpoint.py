@@ -65,6 +65,14 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+class Fingerprint(Protocol):
+    """The settings that fix the data order (``data.DataOrder``), as the checkpointer uses them."""
+
+    values: dict[str, Any]
+
+    def changes_from(self, saved: dict[str, Any]) -> list[str]: ...
+
+
 # ----------------------------------------------------------------------------- what a checkpoint holds
 
 
@@ -79,7 +87,8 @@ class Checkpointer:
         shared: parts equal on every rank (optimizer, scheduler, scaler, sampler), saved once.
         per_rank: parts that differ by rank (the log window); each rank's copy is saved and
             restored to the same rank. The RNG states are always added.
-        fingerprint: the settings that fix which samples each step sees (``TrainingData.fingerprint``).
+        fingerprint: the settings that fix which samples each step sees (``data.DataOrder``): its
+            ``values`` go into the manifest, and ``changes_from(saved)`` names what a resume would change.
     """
 
     def __init__(
@@ -91,7 +100,7 @@ class Checkpointer:
         weights: nn.Module,
         shared: dict[str, Stateful],
         per_rank: dict[str, Stateful],
-        fingerprint: dict[str, Any],
+        fingerprint: Fingerprint,
     ):
         self.env, self.run_dir, self.weights = env, run_dir, weights
         self.shared = shared
@@ -107,7 +116,12 @@ class Checkpointer:
         """
         gathered = {name: parallel.all_gather_object(part.state_dict()) for name, part in self.per_rank.items()}
         state = {"step": step, **{name: part.state_dict() for name, part in self.shared.items()}, **gathered}
-        meta = {"step": step, **state["sampler"], "world_size": self.env.world_size, "data_order": self.fingerprint}
+        meta = {
+            "step": step,
+            **state["sampler"],
+            "world_size": self.env.world_size,
+            "data_order": self.fingerprint.values,
+        }
         try:
             self.writer.save(self.weights, state, meta)
         except Exception as err:
@@ -150,16 +164,15 @@ class Checkpointer:
         return state["step"]
 
 
-def check_same_data_order(folder: Path, fingerprint: dict[str, Any]) -> None:
+def check_same_data_order(folder: Path, fingerprint: Fingerprint) -> None:
     """Refuse a checkpoint saved with settings that would feed other samples to the remaining steps.
 
     Raises:
-        CheckpointError: naming every setting that changed, old and new.
+        CheckpointError: naming every setting that changed (as the user sets it), old and new.
     """
-    saved = read_manifest(folder)["data_order"]
-    changed = sorted(k for k in fingerprint if saved.get(k) != fingerprint[k])
+    changed = fingerprint.changes_from(read_manifest(folder)["data_order"])
     if changed:
-        details = ", ".join(f"{k}: {saved.get(k)} -> {fingerprint[k]}" for k in changed)
+        details = ", ".join(changed)
         raise CheckpointError(
             f"{folder} was saved with a different data order ({details}); resuming would silently train on "
             "other samples. Resume with the same data.*, optim.grad_accum_steps, trainer.seed and number of "

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import datasets
 import torch
@@ -373,7 +373,7 @@ class TrainingData:
     eval: datasets.Dataset | None
     sampler: DistributedBatchSampler
     loader: torch.utils.data.DataLoader
-    fingerprint: dict[str, Any]
+    fingerprint: DataOrder
     eval_collator: Collator
     eval_micro_batch_size: int
     env: DistEnv
@@ -461,22 +461,50 @@ def build_training_data(
         # loader's workers leave the stop to the training process, which shuts them down.
         worker_init_fn=signals.ignore_stop_signals,
     )
-    fingerprint = {
-        "world_size": env.world_size,
-        "seed": seed,
-        "grad_accum_steps": grad_accum_steps,
-        "path": cfg.path,
-        "max_rows": cfg.max_rows,
-        "eval_fraction": cfg.eval_fraction,
-        "max_length": cfg.max_length,
-        "batching": cfg.batching.value,
-        "micro_batch_size": cfg.micro_batch_size,
-        "max_tokens_per_batch": cfg.max_tokens_per_batch,
-        "pad_to_multiple_of": cfg.pad_to_multiple_of,
-        "dataset_rows": len(data.train),
-    }
+    fingerprint = DataOrder(
+        {
+            "world_size": env.world_size,
+            "seed": seed,
+            "grad_accum_steps": grad_accum_steps,
+            "path": cfg.path,
+            "max_rows": cfg.max_rows,
+            "eval_fraction": cfg.eval_fraction,
+            "max_length": cfg.max_length,
+            "batching": cfg.batching.value,
+            "micro_batch_size": cfg.micro_batch_size,
+            "max_tokens_per_batch": cfg.max_tokens_per_batch,
+            "pad_to_multiple_of": cfg.pad_to_multiple_of,
+            "dataset_rows": len(data.train),
+        }
+    )
     eval_collator = Collator(tokenizer.pad_token_id, cfg.pad_to_multiple_of)
     return TrainingData(data.train, data.eval, sampler, loader, fingerprint, eval_collator, cfg.micro_batch_size, env)
+
+
+@dataclass(frozen=True)
+class DataOrder:
+    """The settings that fix which samples each step sees: a resumed run must share every one.
+
+    ``values`` go into each checkpoint's manifest (``data_order``) under these short names.
+    """
+
+    values: dict[str, Any]
+
+    # How the user sets each value; the others are data.<name>.
+    SET_BY: ClassVar[dict[str, str]] = {
+        "world_size": "number of processes",
+        "seed": "trainer.seed",
+        "grad_accum_steps": "optim.grad_accum_steps",
+        "dataset_rows": "rows left after tokenizing data.path",
+    }
+
+    def changes_from(self, saved: dict[str, Any]) -> list[str]:
+        """``"<key as the user sets it>: <saved> -> <now>"`` for every value that differs from ``saved``."""
+        return [
+            f"{self.SET_BY.get(name, f'data.{name}')}: {saved.get(name)} -> {value}"
+            for name, value in sorted(self.values.items())
+            if saved.get(name) != value
+        ]
 
 
 def build_batching_spec(cfg: DataConfig, world_size: int, grad_accum_steps: int, seed: int) -> BatchingSpec:

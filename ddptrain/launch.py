@@ -89,15 +89,16 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
         SystemExit: parallel.nproc_per_node disagrees with torchrun's count, the self-launched
             workers failed or were aborted, or the run stopped on a signal (codes above).
     """
+    start = Start.from_environ()
+    if start.elastic:  # before torch loads: a wrong process count fails at once
+        _check_torchrun_size(cfg.parallel.nproc_per_node, start.local_world_size)
     from ddptrain.metrics import FORMAT, build_console
 
     # This process's log until the worker sets up its own (the launcher's lines, start-up warnings).
     logging.basicConfig(level=logging.INFO, format=FORMAT)
-    start = Start.from_environ()
     console = build_console(start.is_rank_zero)
     run_dir = hydra_dir
     if start.elastic:
-        _check_torchrun_size(cfg.parallel.nproc_per_node, start.local_world_size)
         run_dir = _torchrun_run_dir(hydra_dir, Path(cfg.trainer.output_dir), start, console)
         result = worker(cfg, str(run_dir), None, start)
     elif (cfg.parallel.nproc_per_node or 1) == 1:

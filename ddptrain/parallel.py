@@ -456,7 +456,8 @@ def check_replicas_agree(model: nn.Module) -> None:
 
 
 def check_every_trainable_param_has_a_gradient(model: nn.Module, cfg: ParallelConfig) -> None:
-    """After the first backward: name trainable parameters that got no gradient on any rank.
+    """After a step's backward and before the next ``zero_grad``: name trainable parameters that got no
+    gradient on any rank (their ``.grad`` is still None).
 
     Under DDP such a parameter stalls its gradient bucket and the next step fails with
     "Expected to have finished reduction in the prior iteration"; say which ones and why.

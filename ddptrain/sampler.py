@@ -210,7 +210,7 @@ def _check_fits(lengths: np.ndarray, spec: BatchingSpec) -> None:
     if cost > spec.max_tokens_per_batch:
         raise ValueError(
             f"data.max_tokens_per_batch={spec.max_tokens_per_batch} cannot hold the longest sample "
-            f"({longest} tokens, {cost} once padded to a multiple of {spec.pad_to_multiple_of}): "
+            f"({longest} tokens, {cost} as a micro-batch of its own): "
             f"set data.max_tokens_per_batch >= {cost} or lower data.max_length."
         )
 
@@ -494,8 +494,8 @@ class DistributedBatchSampler:
     def _set_position(self, position: int) -> None:
         if not 0 <= position <= len(self._plan):
             raise ValueError(
-                f"position {position} is outside epoch {self._epoch}'s 0..{len(self._plan)} micro-steps: the "
-                "checkpoint was saved with another batch plan. Resume with its data.* settings and number of "
+                f"position {position} is outside epoch {self._epoch}'s 0..{len(self._plan)} micro-steps. From a "
+                "checkpoint: it was saved with another batch plan; resume with its data.* settings and number of "
                 "processes, or set trainer.resume=none."
             )
         self._position = position

@@ -39,10 +39,6 @@ class StepResult:
     batch_tokens: list[tuple[int, int]]  # (real, padded) tokens of each micro-batch this rank trained on
     stop_votes: torch.Tensor  # ranks that asked to stop (SIGTERM, Ctrl-C), summed over ranks
 
-    @property
-    def micro_steps(self) -> int:
-        return len(self.batch_tokens)
-
 
 class Trainer:
     """Builds everything from a RunConfig on one rank and trains it.
@@ -131,7 +127,7 @@ class Trainer:
         return last
 
     def remaining_steps(self) -> Iterator[list[dict[str, Any]]]:
-        """Optimizer steps from the data position on, epoch after epoch, until trainer.max_steps (or epochs)."""
+        """Optimizer steps from the data position on, epoch after epoch (``fit`` stops at total_steps)."""
         while self.step < self.total_steps:
             yield from self.data.optimizer_steps()
             self.sampler.set_epoch(self.sampler.epoch + 1)
@@ -179,7 +175,7 @@ class Trainer:
             The metrics record when this step ends a log window, else None.
         """
         self.window.add(result)
-        self.sampler.skip(result.micro_steps)  # the micro-batches this step consumed
+        self.sampler.skip(len(result.batch_tokens))  # the micro-batches this step consumed
         self.step += 1
         bar.advance()
         if self.step == 1:
@@ -226,6 +222,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean target-token loss over the whole eval split (every rank a disjoint shard, none dropped)."""
+        self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: freed before eval's peak
         self.loss_module.eval()
         totals = torch.zeros(2, dtype=torch.float64)
         with torch.no_grad(), self.autocast():

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import resource
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from ddptrain.config import DType, RunConfig
+from ddptrain.started import Start
 
 
 def run_job(cfg: RunConfig, run_dir: str, store_port: int | None) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def run_job(cfg: RunConfig, run_dir: str, store_port: int | None) -> dict[str, A
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     if torch.cuda.is_available():
         result["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    rank = int(os.environ.get("RANK", "0"))
+    rank = Start.from_environ().rank
     (Path(run_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     return result
 
@@ -77,7 +77,7 @@ def _ddptrain(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict) 
 
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
     try:
-        setup_logging(env.rank, run_dir if env.is_rank_zero else None)
+        setup_logging(env.rank, run_dir)
         TimedTrainer(cfg, env, run_dir).fit()
     finally:
         parallel.teardown()
@@ -126,7 +126,7 @@ def _data_and_model(cfg: RunConfig, device: torch.device):
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = Start.from_environ().local_rank
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -204,7 +204,8 @@ def _init_group(device: torch.device, store_port: int | None) -> None:
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    start = Start.from_environ()
+    rank, world = start.rank, start.world_size
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=600))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
 

@@ -159,3 +159,47 @@ def test_merged_export_gives_the_adapter_models_logits(tmp_path, lora_model) -> 
         expected = lora_model.eval()(input_ids=ids).logits
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(adapted(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def train_and_save(run: Path, overrides: list[str]) -> None:
+    cfg = compose_config([*TINY, "trainer.max_steps=2", *overrides])
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
+    try:
+        Trainer(cfg, env, run).fit()
+    finally:
+        parallel.teardown()
+
+
+def build_trainer(run: Path, overrides: list[str]) -> Trainer:
+    cfg = compose_config([*TINY, "trainer.max_steps=4", f"trainer.resume={run}", *overrides])
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
+    try:
+        return Trainer(cfg, env, run)
+    finally:
+        parallel.teardown()
+
+
+def test_a_resume_that_would_change_the_data_order_names_the_keys_as_the_user_sets_them(tmp_path) -> None:
+    train_and_save(tmp_path, ["trainer.seed=3"])
+    with pytest.raises(checkpoint.CheckpointError, match=r"different data order \(trainer\.seed: 3 -> 4\)"):
+        build_trainer(tmp_path, ["trainer.seed=4"])
+    changed = r"optim\.grad_accum_steps: 1 -> 2, data\.max_length: 512 -> 256"
+    with pytest.raises(checkpoint.CheckpointError, match=changed):
+        build_trainer(tmp_path, ["trainer.seed=3", "data.max_length=256", "optim.grad_accum_steps=2"])
+
+
+def test_a_checkpoint_saved_before_per_rank_windows_still_resumes(tmp_path) -> None:
+    """Older checkpoints keep no "windows" (and named the overflow count "skipped"): they resume."""
+    train_and_save(tmp_path, [])
+    folder = checkpoint.newest_complete(tmp_path / "checkpoints")
+    state = checkpoint.load_state(folder)
+    del state["windows"]
+    torch.save(state, folder / checkpoint.STATE)
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    (folder / checkpoint.MANIFEST).unlink()
+    checkpoint._write_manifest(folder, {k: v for k, v in manifest.items() if k != "files"})
+    trainer = build_trainer(tmp_path, [])
+    assert trainer.step == 2 and trainer.window.steps == 0
+    old_window = {"loss_sum": 1.5, "target_tokens": 3, "batch_tokens": [[4, 8]], "skipped": 1, "steps": 1}
+    trainer.window.load_state_dict(old_window)
+    assert trainer.window.overflowed_steps == 1 and trainer.window.batch_tokens == [(4, 8)]

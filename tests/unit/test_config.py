@@ -154,6 +154,17 @@ def test_token_budget_must_fit_one_row() -> None:
         compose_config(["data.batching=token_budget", "data.max_tokens_per_batch=100", "data.max_length=512"])
 
 
+def test_the_budget_check_uses_the_batch_cost_rule_of_the_mode() -> None:
+    """A padded row of 509 tokens costs 512 (multiple of 8); a packed row is never rounded, as the collator
+    and the sampler build it, so packing accepts a budget of exactly data.max_length."""
+    budget = ["data.max_length=509", "data.pad_to_multiple_of=8", "data.max_tokens_per_batch=509"]
+    with pytest.raises(ConfigError, match=r"max_tokens_per_batch=509 .*\(512 tokens as a micro-batch\)"):
+        compose_config(["data.batching=token_budget", *budget])
+    assert compose_config(["data.batching=packed", *budget]).data.max_tokens_per_batch == 509
+    with pytest.raises(ConfigError, match=r"max_tokens_per_batch=508"):
+        compose_config(["data.batching=packed", *budget[:2], "data.max_tokens_per_batch=508"])
+
+
 def test_tiny_model_sets_its_own_lr_and_cli_still_wins() -> None:
     assert compose_config([]).optim.lr == pytest.approx(5e-3)
     assert compose_config(["optim.lr=1e-4"]).optim.lr == pytest.approx(1e-4)

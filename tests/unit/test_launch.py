@@ -44,3 +44,41 @@ def test_a_sweep_under_torchrun_is_refused_naming_the_command_to_run() -> None:
     with pytest.raises(SystemExit, match=r"run `python -m ddptrain -m \.\.\.`"):
         launch.hydra_argv([*ARGV, "-m"], Start.from_environ(TORCHRUN_RANK1))
     assert launch.hydra_argv([*ARGV, "-m"], Start.from_environ({})) == [*ARGV, "-m"]
+
+
+def test_a_restarted_torchrun_group_goes_back_to_the_first_attempts_run_folder(tmp_path) -> None:
+    from ddptrain.metrics import build_console
+
+    out = tmp_path / "outputs"
+    first, second = tmp_path / "first", tmp_path / "second"
+    rank1 = Start(True, rank=1, local_rank=1, world_size=2, local_world_size=2, run_id="job7")
+    assert launch._torchrun_run_dir(first, out, rank1, build_console(rank1.is_rank_zero)) == first
+    assert not (out / ".torchrun" / "job7").exists(), "only rank 0 leaves the marker"
+    rank0 = Start(True, world_size=2, local_world_size=2, run_id="job7")
+    assert launch._torchrun_run_dir(first, out, rank0, build_console(rank0.is_rank_zero)) == first
+    restarted = Start(True, world_size=2, local_world_size=2, restart_count=1, run_id="job7")
+    assert launch._torchrun_run_dir(second, out, restarted, build_console(True)) == first
+    other_job = Start(True, world_size=2, local_world_size=2, restart_count=1, run_id="job8")
+    assert launch._torchrun_run_dir(second, out, other_job, build_console(True)) == second
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["self-launched", "torchrun"])
+def test_a_stopped_run_says_where_its_checkpoint_is_and_exits_75_unless_under_torchrun(
+    tmp_path, capsys, elastic
+) -> None:
+    from ddptrain import signals
+    from ddptrain.metrics import build_console
+
+    start = Start(elastic)
+    launch._exit_if_stopped({"loss": 1.0}, tmp_path, start, build_console(True))
+    assert capsys.readouterr().err == "", "a finished run says nothing here"
+    stopped = {signals.STOPPED_BY: "SIGTERM", signals.STOPPED_AT_STEP: 3}
+    if elastic:  # exit 0: a non-zero exit would make torchrun --max-restarts restart the group
+        launch._exit_if_stopped(stopped, tmp_path, start, build_console(True))
+    else:
+        with pytest.raises(SystemExit) as exited:
+            launch._exit_if_stopped(stopped, tmp_path, start, build_console(True))
+        assert exited.value.code == signals.STOPPED_EXIT_CODE == 75
+    assert "ddptrain: stopped by SIGTERM at step 3" in capsys.readouterr().err
+    launch._exit_if_stopped(stopped, tmp_path, Start(True, rank=1), build_console(False))
+    assert capsys.readouterr().err == "", "ranks other than 0 say nothing"

@@ -107,14 +107,15 @@ def test_the_cycle_check_sees_a_loop_through_a_lazy_import() -> None:
 
 
 def group_reads(source: str, group: str) -> list[int]:
-    """Lines where ``source`` reaches into the run config's ``group`` (``cfg.data``, ``self.cfg.data``,
-    ``getattr(cfg, "data")``), however the config object is named."""
+    """Lines where ``source`` reaches into a config's ``group``: ``<anything>.data`` but ``self.data``,
+    ``<anything>["data"]`` and ``getattr(<anything>, "data")``, however the config object is named."""
     lines = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and node.attr == group:
-            owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
-            if "cfg" in owner or "config" in owner:
+            if not (isinstance(node.value, ast.Name) and node.value.id == "self"):
                 lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value == group:
+            lines.append(node.lineno)
         elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "getattr":
             lines += [node.lineno for a in node.args if isinstance(a, ast.Constant) and a.value == group]
     return lines
@@ -131,4 +132,12 @@ def test_the_group_read_check_sees_aliases() -> None:
     assert group_reads("x = cfg.data.batching\n", "data") == [1]
     assert group_reads("d = self.cfg.data\n", "data") == [1]
     assert group_reads("d = getattr(run_cfg, 'data')\n", "data") == [1]
+    assert group_reads("d = run.data\nd = c['data']\n", "data") == [1, 2]
     assert group_reads("n = len(self.data.train)\n", "data") == []
+
+
+def test_the_data_side_reads_only_the_data_group() -> None:
+    """data.build_training_data gets the run config; what other groups decide arrives as arguments."""
+    source = (PACKAGE / "data.py").read_text()
+    for group in ("model", "optim", "parallel", "trainer"):
+        assert group_reads(source, group) == [], f"data.py reads the {group} group: take the value as an argument"
