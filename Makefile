@@ -9,7 +9,7 @@ TORCH_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint format bench-samplers bench-throughput gpu-check clean
+.PHONY: setup train test lint format bench-samplers bench-throughput bench-data gpu-check clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,10 @@ bench-samplers: setup
 bench-throughput: setup
 	$(BIN)/python -m ddptrain.bench.throughput --data ../shared/data/alpaca/alpaca_data_52k.jsonl \
 		--tokenizer ../shared/data/tokenizers/qwen2 --repeats 2
+
+bench-data: setup
+	$(BIN)/python -m ddptrain.bench.data_prep --data ../shared/data/alpaca/alpaca_data_52k.jsonl \
+		--tokenizer ../shared/data/tokenizers/qwen2 --num-proc 1 2
 
 gpu-check: setup  ## on a GPU machine: tests/gpu + the GPU throughput benchmark, one table (< 10 min)
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)

@@ -4,38 +4,52 @@
 rows, plans this rank's micro-batches (``sampler.py``), and hands back the loader, the eval shard
 and the data-order fingerprint that a resumed run must match.
 
-Tokenization runs once per (file, tokenizer, settings) and is cached by ``datasets``;
+Where the rows come from (a file, a glob, a folder or a Hub dataset id) is decided in ``sources.py``;
+``load_rows`` reads them. Tokenization runs once per (rows, tokenizer, settings) and is cached by ``datasets``;
 local rank 0 does it while the other ranks wait, then they read the cache. The cached
 dataset carries a ``length`` column so the sampler never re-tokenizes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import datasets
+import huggingface_hub
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from ddptrain import parallel, signals
 from ddptrain.batch_cost import ceil_div, round_up
-from ddptrain.config import Batching, DataConfig, RunConfig, Template
+from ddptrain.config import Batching, DataConfig, RunConfig, SourceConfig, Template, is_jinja
 from ddptrain.metrics import RANK_ZERO_ONLY
 from ddptrain.model import IGNORE_INDEX
 from ddptrain.parallel import DistEnv
 from ddptrain.sampler import BatchingSpec, DistributedBatchSampler
-from ddptrain.templates import RowError, format_alpaca, format_chat
+from ddptrain.sources import Source, SourceKind, resolve_source
+from ddptrain.templates import (
+    RowError,
+    chat_messages,
+    chatml_turns,
+    format_alpaca,
+    format_text,
+    render_chat,
+    sharegpt_messages,
+)
 
 log = logging.getLogger(__name__)
 
-FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 CACHE_VERSION = "1"  # bump when encoding changes, so old caches are not reused
 
 
@@ -51,67 +65,188 @@ class TokenizedData:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_rows(path: str, cache_dir: str | None, key: str = "data.path") -> datasets.Dataset:
-    """Read a .json/.jsonl/.parquet file through ``datasets`` (cached as Arrow).
+def load_rows(
+    path: str, cache_dir: str | None, key: str = "data.path", subset: str | None = None, split: str = "train"
+) -> datasets.Dataset:
+    """Read a file, glob, folder or Hub dataset id (``sources.resolve_source``) through ``datasets``.
+
+    Files and globs are read whole; a folder or Hub id gives its ``split`` of config ``subset``, as
+    ``datasets.load_dataset`` reads a Hub repository. Offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE),
+    a Hub id is read from the Hub cache (``hf download``) or from datasets' cache of an earlier load.
 
     Args:
-        key: the config key that named the file (``data.path`` or ``data.eval_path``), for errors.
+        path: the value of ``key`` as the user typed it.
+        cache_dir: ``data.cache_dir``; null = the datasets default.
+        key: the config key that named the source (``data.path`` or ``data.eval_path``), for errors.
+        subset: ``data.subset`` (folders and Hub ids).
+        split: ``data.split`` (folders and Hub ids).
+
+    Returns:
+        The rows, cached as Arrow by ``datasets``.
 
     Raises:
-        ValueError: unknown extension, or a line that is not valid JSON (named by line number).
+        ValueError: naming ``key`` and the fix: an unsupported file type, a local path or glob that
+            matches nothing, a line that is not valid JSON (by file and line), a Hub dataset that cannot
+            be found or reached, or a split or subset that the dataset lacks.
     """
-    suffix = Path(path).suffix.lower()
-    if suffix not in FORMATS:
-        raise ValueError(f"{key}={path}: unsupported file type '{suffix}'; use .json, .jsonl or .parquet.")
+    source = resolve_source(path, key)
+    offline = _hub_offline()
     datasets.disable_progress_bars()
     try:
-        return datasets.load_dataset(FORMATS[suffix], data_files=str(path), split="train", cache_dir=cache_dir)
+        if not source.has_splits:  # data files: datasets names their rows the 'train' split
+            files = list(source.files)
+            return datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir)
+        with _offline_mode(offline):
+            return datasets.load_dataset(_local_copy(source, offline), name=subset, split=split, cache_dir=cache_dir)
     except Exception as exc:  # datasets wraps parse errors several layers deep
-        raise ValueError(f"{key}={_explain_load_error(path, exc)}") from exc
+        raise ValueError(f"{key}={_explain_load_error(source, key, offline, exc)}") from exc
 
 
-def _explain_load_error(path: str, exc: Exception) -> str:
-    if Path(path).suffix.lower() == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    return f"{path}:{line_no}: not valid JSON ({err.msg}). Fix or remove that line."
-                if not isinstance(row, dict):
-                    return (
-                        f"{path}:{line_no}: each line must be a JSON object, got {type(row).__name__}. "
-                        'Write one object per line, e.g. {"instruction": ..., "output": ...}.'
-                    )
+def _hub_offline() -> bool:
+    """Whether the Hub is off limits, decided as datasets does (HF_DATASETS_OFFLINE, else HF_HUB_OFFLINE).
+
+    datasets and huggingface_hub read the variables once, at import; reading them again here honours a
+    value set later (a notebook, a test's monkeypatch).
+    """
+    value = os.environ.get("HF_DATASETS_OFFLINE")
+    if value is None:
+        value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return datasets.config.HF_HUB_OFFLINE or (value or "").upper() in datasets.config.ENV_VARS_TRUE_VALUES
+
+
+@contextlib.contextmanager
+def _offline_mode(offline: bool) -> Iterator[None]:
+    """Keep datasets and huggingface_hub off the network for one load when ``offline`` (see _hub_offline)."""
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+
+
+def _local_copy(source: Source, offline: bool) -> str:
+    """What datasets loads: the folder; offline, a Hub id's snapshot in the Hub cache; else the id itself."""
+    if source.kind == SourceKind.folder:
+        return os.path.expanduser(source.path)
+    if offline:
+        # datasets, offline, looks only in its own cache of an earlier load, not in the Hub cache
+        # that `hf download` fills; look there first (local_files_only: no network).
+        with contextlib.suppress(huggingface_hub.errors.LocalEntryNotFoundError):
+            return huggingface_hub.snapshot_download(source.path, repo_type="dataset", local_files_only=True)
+    return source.path
+
+
+def _explain_load_error(source: Source, key: str, offline: bool, exc: Exception) -> str:
+    """Why ``source`` could not be read, and the fix: the text after ``<key>=``."""
+    path, text = source.path, str(exc)
+    if source.kind == SourceKind.hub and isinstance(exc, (ConnectionError, datasets.exceptions.DatasetNotFoundError)):
+        if offline:
+            why = "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and no local cache holds it"
+        elif isinstance(exc, ConnectionError):
+            why = f"the Hugging Face Hub could not be reached ({text})"
+        else:
+            why = f"the Hub has no dataset by that name that you can read ({text}); check the id and your login"
+        return (
+            f"{path}: no such local file or folder, so it was read as a Hub dataset id, but {why}. Run "
+            f"`hf download --repo-type dataset {path}` on a machine with network (into the Hub cache this machine "
+            f"reads), or download it to a folder (--local-dir) and point {key} at that folder."
+        )
+    if "Unknown split" in text:
+        return f"{path}: {text} Set data.split to one of them."
+    if "BuilderConfig" in text:
+        return f"{path}: {text} Set data.subset to one of them (the dataset's configs)."
+    for file in _jsonl_files(source):
+        if (bad_line := _first_bad_line(file)) is not None:
+            return bad_line if source.kind == SourceKind.file else f"{path}: {bad_line}"
     return (
-        f"{path}: could not be read as a dataset: {type(exc).__name__}: {exc}. It must be a .json list of "
-        "objects, a .jsonl file with one object per line, or a .parquet table."
+        f"{path}: could not be read as a dataset: {type(exc).__name__}: {exc}. Data files must be .json lists of "
+        "objects, .jsonl files with one object per line, .parquet tables or .csv tables with a header row."
     )
+
+
+def _jsonl_files(source: Source) -> list[str]:
+    """The .jsonl files a source reads (for a folder: every .jsonl file under it), in order."""
+    if source.kind == SourceKind.folder:
+        return sorted(str(p) for p in Path(source.path).expanduser().rglob("*.jsonl"))
+    return [f for f in source.files if f.lower().endswith(".jsonl")]
+
+
+def _first_bad_line(path: str) -> str | None:
+    """``path:line`` and the fix for the first line of a .jsonl file that is not a JSON object."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"{path}:{line_no}: not valid JSON ({err.msg}). Fix or remove that line."
+            if not isinstance(row, dict):
+                return (
+                    f"{path}:{line_no}: each line must be a JSON object, got {type(row).__name__}. "
+                    'Write one object per line, e.g. {"instruction": ..., "output": ...}.'
+                )
+    return None
 
 
 # ----------------------------------------------------------------------------- encoding
 
 
 class RowEncoder:
-    """Turns raw rows into input_ids / labels, masking the prompt out of the loss."""
+    """Turns raw rows into input_ids / labels, masking out of the loss what is not trained on.
+
+    Alpaca rows, and chat rows for a tokenizer without a chat template (ChatML), are (prompt,
+    response) pieces, tokenized piece by piece with EOS appended. Chat rows under the model's own
+    chat template, and plain text, are tokenized as one text exactly as the template writes it; the
+    tokens that overlap a span to train on (an assistant reply with its end-of-turn token, or the
+    whole text) are labelled.
+    """
 
     def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.eos_id = tokenizer.eos_token_id
+        self.chat_template = resolve_chat_template(cfg, tokenizer)
+        self.whole_text = cfg.template == Template.text or self.chat_template is not None
 
-    def turns(self, row: dict[str, Any]) -> list[tuple[str, str]]:
-        if self.cfg.template == Template.chat:
-            return format_chat(row, self.cfg.messages_field)
-        return [format_alpaca(row, self.cfg.instruction_field, self.cfg.input_field, self.cfg.output_field)]
+    def turns(self, row: dict[str, Any]) -> Any:
+        """Pieces (alpaca, ChatML) or ``(text, spans to train on, append EOS)``.
+
+        Raises:
+            RowError: the row lacks what the template needs.
+        """
+        c = self.cfg
+        if c.template == Template.alpaca:
+            return [format_alpaca(row, c.instruction_field, c.input_field, c.output_field)]
+        if c.template == Template.text:
+            text = format_text(row, c.text_field)
+            return text, [(0, len(text))], True
+        if c.template == Template.chat:
+            messages, field = chat_messages(row, c.messages_field), c.messages_field
+        else:
+            messages = sharegpt_messages(row, c.conversations_field, c.role_field, c.content_field)
+            field = c.conversations_field
+        if self.chat_template is None:
+            return chatml_turns(messages, field)
+        text, spans = render_chat(messages, self.render)
+        return text, spans, False
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, parsed: list[Any]) -> list[tuple[list[int], list[int], bool]]:
+        """(input_ids, labels, truncated) per parsed row."""
+        if not parsed:  # every row of this batch was malformed and skipped
+            return []
+        return self.encode_texts(parsed) if self.whole_text else self.encode_turns(parsed)
 
     def encode_turns(self, turns_per_row: list[list[tuple[str, str]]]) -> list[tuple[list[int], list[int], bool]]:
-        """(input_ids, labels, truncated) per row; EOS appended after the last response."""
+        """Pieces tokenized one by one, prompts masked; EOS appended after the last response."""
         flat = [turn for turns in turns_per_row for turn in turns]
-        if not flat:  # every row of this batch was malformed and skipped
-            return []
         # One tokenizer call per batch for prompts and one for responses: ~10x faster than per row.
         prompts = self.tokenizer([p for p, _ in flat], add_special_tokens=False).input_ids
         responses = self.tokenizer([r for _, r in flat], add_special_tokens=False).input_ids
@@ -124,15 +259,34 @@ class RowEncoder:
                 input_ids += prompt_ids + response_ids
                 labels += [IGNORE_INDEX] * len(prompt_ids) + response_ids
             k += len(turns)
-            input_ids.append(self.eos_id)
-            labels.append(self.eos_id)
-            truncated = len(input_ids) > self.cfg.max_length
-            encoded.append((input_ids[: self.cfg.max_length], labels[: self.cfg.max_length], truncated))
+            encoded.append(self._truncate([*input_ids, self.eos_id], [*labels, self.eos_id]))
         return encoded
+
+    def encode_texts(
+        self, items: list[tuple[str, list[tuple[int, int]], bool]]
+    ) -> list[tuple[list[int], list[int], bool]]:
+        """Whole texts tokenized at once; a token is a target when its characters overlap a span."""
+        tokenized = self.tokenizer(
+            [text for text, _, _ in items], add_special_tokens=False, return_offsets_mapping=True
+        )
+        encoded = []
+        for (_, spans, append_eos), ids, offsets in zip(items, tokenized.input_ids, tokenized.offset_mapping):
+            labels = [
+                token if any(start < end_s and start_s < end for start_s, end_s in spans) else IGNORE_INDEX
+                for token, (start, end) in zip(ids, offsets)
+            ]
+            if append_eos:
+                ids, labels = [*ids, self.eos_id], [*labels, self.eos_id]
+            encoded.append(self._truncate(list(ids), labels))
+        return encoded
+
+    def _truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int], bool]:
+        limit = self.cfg.max_length
+        return input_ids[:limit], labels[:limit], len(input_ids) > limit
 
     def __call__(self, batch: dict[str, list], indices: list[int], source: str) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-        turns_per_row: list[list[tuple[str, str]] | None] = []
+        turns_per_row: list[Any] = []
         for index, row in zip(indices, rows):
             try:
                 turns_per_row.append(self.turns(row))
@@ -143,7 +297,7 @@ class RowEncoder:
                         "your field names, or set data.skip_bad_rows=true to skip such rows."
                     ) from None
                 turns_per_row.append(None)
-        encoded = iter(self.encode_turns([t for t in turns_per_row if t is not None]))
+        encoded = iter(self.encode([t for t in turns_per_row if t is not None]))
         out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "length", "truncated", "bad", "no_target")}
         for turns in turns_per_row:
             input_ids, labels, truncated = next(encoded) if turns is not None else ([], [], False)
@@ -156,20 +310,63 @@ class RowEncoder:
         return out
 
 
+def resolve_chat_template(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The Jinja chat template that renders chat rows, or None for ChatML pieces (``format_chat``).
+
+    ``data.chat_template``: null = the tokenizer's own (None when it has none), ``chatml``, a path to
+    a template file, or the template itself.
+    """
+    if cfg.template not in (Template.chat, Template.sharegpt) or cfg.chat_template == "chatml":
+        return None
+    if cfg.chat_template is None:
+        own = tokenizer.chat_template
+        return own.get("default") if isinstance(own, dict) else own
+    if is_jinja(cfg.chat_template):
+        return cfg.chat_template
+    return Path(cfg.chat_template).expanduser().read_text()  # the config check found the file
+
+
+def _log_chat_format(cfg: DataConfig, chat_template: str | None) -> None:
+    if cfg.template not in (Template.chat, Template.sharegpt):
+        return
+    if chat_template is not None:
+        where = "data.chat_template" if cfg.chat_template else "the tokenizer's own chat template"
+        log.info("data: conversations rendered with %s", where, extra=RANK_ZERO_ONLY)
+    elif cfg.chat_template != "chatml":
+        log.warning(
+            "data: model.tokenizer has no chat template, so conversations use ChatML (Qwen's format). For "
+            "another model family set data.chat_template to its template (a Jinja string or a file).",
+            extra=RANK_ZERO_ONLY,
+        )
+
+
 def _locate(source: str, index: int) -> str:
-    """``path:line`` of row ``index`` in a .jsonl file (blank lines are not rows), else ``path, row N``."""
-    if Path(source).suffix.lower() == ".jsonl":
-        with open(source, encoding="utf-8") as f:
-            rows_seen = -1
-            for line_no, line in enumerate(f, start=1):
-                rows_seen += bool(line.strip())
-                if rows_seen == index:
-                    return f"{source}:{line_no}"
+    """``file:line`` of row ``index`` when ``source`` is .jsonl files (one file or a glob, read in order;
+    blank lines are not rows), else ``source, row N`` (other file types, folders, Hub ids)."""
+    try:
+        files = resolve_source(source, "data.path").files
+    except ValueError:  # gone since it was read: the row number still says which row
+        files = ()
+    if files and all(f.lower().endswith(".jsonl") for f in files):
+        line = next(itertools.islice(_jsonl_row_lines(files), index, None), None)
+        if line is not None:
+            return line
     return f"{source}, row {index + 1}"
 
 
+def _jsonl_row_lines(files: Sequence[str]) -> Iterator[str]:
+    """``file:line`` of every row of .jsonl files, in order."""
+    for file in files:
+        with open(file, encoding="utf-8") as f:
+            yield from (f"{file}:{line_no}" for line_no, line in enumerate(f, start=1) if line.strip())
+
+
 def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
-    """Cache key: the file's contents, the tokenizer's vocabulary and every encoding setting."""
+    """Cache key: the rows read, the tokenizer's vocabulary and every encoding setting.
+
+    ``raw._fingerprint`` stands for the rows: datasets derives it from the data files it read (their paths
+    and modification times, every file of a glob or folder), so an edited file is tokenized again.
+    """
     tok = getattr(tokenizer, "backend_tokenizer", None)
     vocab_id = tok.to_str() if tok is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     settings = [
@@ -184,6 +381,12 @@ def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTo
         cfg.messages_field,
         str(cfg.max_length),
         str(cfg.skip_bad_rows),
+        # Conversations and plain text: the fields read and the chat template that renders them.
+        cfg.conversations_field,
+        cfg.role_field,
+        cfg.content_field,
+        cfg.text_field,
+        str(resolve_chat_template(cfg, tokenizer)),
     ]
     return hashlib.sha256("\x00".join(settings).encode()).hexdigest()[:32]
 
@@ -192,7 +395,7 @@ def tokenize_file(
     path: str, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_rows: int | None, key: str = "data.path"
 ) -> tuple[datasets.Dataset, dict[str, int]]:
     """Load and tokenize one file (cached). Returns the dataset and counts to report."""
-    raw = load_rows(path, cfg.cache_dir, key)
+    raw = load_rows(path, cfg.cache_dir, key, cfg.subset, cfg.split)
     if max_rows is not None and max_rows < len(raw):
         raw = raw.select(range(max_rows))
     encoder = RowEncoder(cfg, tokenizer)
@@ -204,6 +407,7 @@ def tokenize_file(
         remove_columns=raw.column_names,
         new_fingerprint=_fingerprint(raw, cfg, tokenizer),
         desc=f"tokenizing {Path(path).name}",
+        num_proc=cfg.num_proc if cfg.num_proc and cfg.num_proc > 1 and len(raw) > cfg.num_proc else None,
     )
     stats = {
         "rows": len(raw),
@@ -228,6 +432,9 @@ def build_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
     Raises:
         ValueError: unreadable file or malformed row (naming file and line), or an empty result.
     """
+    if cfg.sources:
+        return build_mixture(cfg, tokenizer, seed)
+    _log_chat_format(cfg, resolve_chat_template(cfg, tokenizer))
     train, stats = tokenize_file(cfg.path, cfg, tokenizer, cfg.max_rows)
     eval_set = None
     if cfg.eval_path is not None:
@@ -246,7 +453,8 @@ def build_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
 
 
 def _report(cfg: DataConfig, stats: dict[str, int], n_train: int, eval_set: datasets.Dataset | None) -> None:
-    log.info("data: %d training rows, %d eval rows from %s", n_train, len(eval_set or []), cfg.path)
+    origin = cfg.path if not cfg.sources else f"{len(cfg.sources)} sources (data.sources)"
+    log.info("data: %d training rows, %d eval rows from %s", n_train, len(eval_set or []), origin)
     if stats["truncated"]:
         log.warning(
             "data: %d of %d rows were longer than data.max_length=%d and were truncated",
@@ -266,6 +474,83 @@ def _report(cfg: DataConfig, stats: dict[str, int], n_train: int, eval_set: data
             cfg.max_length,
             extra=RANK_ZERO_ONLY,
         )
+
+
+# ----------------------------------------------------------------------------- mixtures
+
+
+def build_mixture(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> TokenizedData:
+    """``data.sources``: each source read and tokenized with its own settings, its eval share held out on
+    its own, then the training rows mixed by weight (``mixture_indices``), with a ``source`` column.
+
+    Raises:
+        ValueError: a source that cannot be read, or that has no usable row (naming data.sources[i]).
+    """
+    trains, evals, stats = [], [], {}
+    for k, source in enumerate(cfg.sources):
+        source_cfg = source_data_config(cfg, source)
+        _log_chat_format(source_cfg, resolve_chat_template(source_cfg, tokenizer))
+        key = f"data.sources[{k}].path"
+        data, source_stats = tokenize_file(source_cfg.path, source_cfg, tokenizer, source_cfg.max_rows, key)
+        if len(data) == 0:
+            raise ValueError(
+                f"{key}={source.path}: no usable rows left after tokenization ({source_stats}). Check its template "
+                "and field names (data.sources[i].template, *_field), or raise data.max_length."
+            )
+        if cfg.eval_path is None and source_cfg.eval_fraction > 0:
+            split = data.train_test_split(test_size=source_cfg.eval_fraction, seed=seed)
+            data, held_out = split["train"], split["test"]
+            evals.append(held_out.add_column("source", [k] * len(held_out)))
+        trains.append(data)
+        stats = {name: stats.get(name, 0) + count for name, count in source_stats.items()}
+    picks = mixture_indices([len(t) for t in trains], [s.weight for s in cfg.sources], seed)
+    train = datasets.concatenate_datasets(
+        [t.select(p).add_column("source", [k] * len(p)) for k, (t, p) in enumerate(zip(trains, picks))]
+    )
+    eval_set = datasets.concatenate_datasets(evals) if evals else None
+    if cfg.eval_path is not None:
+        eval_set, eval_stats = tokenize_file(cfg.eval_path, cfg, tokenizer, None, "data.eval_path")
+        stats.update({f"eval_{k}": v for k, v in eval_stats.items()})
+    for k, (source, p) in enumerate(zip(cfg.sources, picks)):
+        log.info(
+            "data: source %d (%s): %d training rows of %d (weight %s)",
+            k,
+            source.path,
+            len(p),
+            len(trains[k]),
+            source.weight,
+            extra=RANK_ZERO_ONLY,
+        )
+    _report(cfg, stats, len(train), eval_set)
+    return TokenizedData(train, eval_set, stats)
+
+
+def source_data_config(cfg: DataConfig, source: SourceConfig) -> DataConfig:
+    """The data settings one source is read with: its own keys, and data.<key> for those it leaves null."""
+    own = {name: value for name, value in vars(source).items() if value is not None and name != "weight"}
+    return dataclasses.replace(cfg, **{"max_rows": None, **own, "sources": []})
+
+
+def mixture_indices(sizes: list[int], weights: list[float | None], seed: int) -> list[np.ndarray]:
+    """Which rows of each source the mixture holds, fixed by ``seed``.
+
+    Without weights every row of every source, once. With weights the mixture keeps the sources' total
+    row count and gives source k the share weight_k / sum(weights) of it (largest remainders): a source
+    with fewer rows than its share is repeated whole and topped up with a random part of itself, one
+    with more is subsampled. The sampler shuffles the result anew each epoch.
+    """
+    if all(w is None for w in weights):
+        return [np.arange(n) for n in sizes]
+    total = sum(sizes)
+    exact = np.array(weights, dtype=np.float64) / sum(weights) * total
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(-(exact - counts), kind="stable")[: total - int(counts.sum())]] += 1
+    picks = []
+    for k, (n, count) in enumerate(zip(sizes, counts.tolist())):
+        rng = np.random.default_rng([seed, k])
+        whole, rest = divmod(count, n)
+        picks.append(np.concatenate([*(rng.permutation(n) for _ in range(whole)), rng.permutation(n)[:rest]]))
+    return picks
 
 
 # ----------------------------------------------------------------------------- collate
@@ -477,6 +762,8 @@ def build_training_data(
             "dataset_rows": len(data.train),
         }
     )
+    if cfg.sources:  # only then: checkpoints saved before mixtures existed keep resuming
+        fingerprint.values["sources"] = [json.dumps(dataclasses.asdict(s), default=str) for s in cfg.sources]
     eval_collator = Collator(tokenizer.pad_token_id, cfg.pad_to_multiple_of)
     return TrainingData(data.train, data.eval, sampler, loader, fingerprint, eval_collator, cfg.micro_batch_size, env)
 

@@ -1,13 +1,16 @@
-"""Prompt templates: turn one raw row into (prompt text, response text).
+"""Prompt templates: turn one raw row into what is trained on.
 
-Only the response (and the EOS appended after it) is trained on; the prompt is
-masked out of the loss. Kept free of torch so that benchmarks and tests can use it
-on their own.
+Alpaca rows become (prompt text, response text): only the response (and the EOS appended after
+it) is trained on. Chat rows (OpenAI ``messages`` or ShareGPT ``conversations``) become checked
+{role, content} messages, rendered by the model's own chat template (``render_chat``: the whole
+conversation, and the spans of the assistant replies to train on) or, for a tokenizer without
+one, by ChatML (``format_chat``). Kept free of torch so that benchmarks and tests can use it on
+their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 ALPACA_PROMPT = (
@@ -51,11 +54,35 @@ def format_alpaca(
 
 
 def format_chat(row: Mapping[str, Any], messages_field: str = "messages") -> list[tuple[str, str]]:
-    """Split a chat row into (prompt, response) turns, one per assistant message.
+    """Split a chat row into (prompt, response) turns in ChatML, one per assistant message.
 
-    The prompt of each turn is every message since the previous assistant reply, in
-    ChatML (the Qwen2 chat format); the response is the assistant's content plus
-    ``<|im_end|>``. Concatenating all turns gives the whole conversation.
+    ChatML is the Qwen2 chat format, used when the tokenizer has no chat template of its own (or with
+    ``data.chat_template=chatml``). The prompt of each turn is every message since the previous
+    assistant reply; the response is the assistant's content plus ``<|im_end|>``. Concatenating all
+    turns gives the whole conversation.
+
+    Raises:
+        RowError: the field is missing, is not a list of {role, content}, or has no assistant turn.
+    """
+    return chatml_turns(chat_messages(row, messages_field), messages_field)
+
+
+def chatml_turns(messages: list[dict[str, str]], field: str = "messages") -> list[tuple[str, str]]:
+    """ChatML (prompt, response) turns of checked messages (see ``format_chat``)."""
+    turns: list[tuple[str, str]] = []
+    prompt = ""
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if role == "assistant":
+            turns.append((prompt + "<|im_start|>assistant\n", content + "<|im_end|>"))
+            prompt = "\n"
+        else:
+            prompt += f"<|im_start|>{role}\n{content}<|im_end|>\n"
+    return turns
+
+
+def chat_messages(row: Mapping[str, Any], messages_field: str = "messages") -> list[dict[str, str]]:
+    """The {role, content} messages of an OpenAI-style chat row, checked.
 
     Raises:
         RowError: the field is missing, is not a list of {role, content}, or has no assistant turn.
@@ -63,20 +90,91 @@ def format_chat(row: Mapping[str, Any], messages_field: str = "messages") -> lis
     messages = row.get(messages_field)
     if not isinstance(messages, list) or not messages:
         raise RowError(f"field '{messages_field}' must be a non-empty list of {{role, content}} messages")
-    turns: list[tuple[str, str]] = []
-    prompt = ""
+    checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not {"role", "content"} <= message.keys():
             raise RowError(f"message {i} of '{messages_field}' needs 'role' and 'content'")
-        role, content = str(message["role"]), str(message["content"])
-        if role == "assistant":
-            turns.append((prompt + "<|im_start|>assistant\n", content + "<|im_end|>"))
-            prompt = "\n"
-        else:
-            prompt += f"<|im_start|>{role}\n{content}<|im_end|>\n"
-    if not turns:
-        raise RowError(f"'{messages_field}' has no message with role 'assistant' to train on")
-    return turns
+        checked.append({"role": str(message["role"]), "content": str(message["content"])})
+    return _with_an_assistant_turn(checked, messages_field)
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def sharegpt_messages(
+    row: Mapping[str, Any], field: str = "conversations", role_field: str = "from", content_field: str = "value"
+) -> list[dict[str, str]]:
+    """A ShareGPT row (``{"conversations": [{"from": "human", "value": ...}, ...]}``) as {role, content} messages.
+
+    Raises:
+        RowError: the field is missing or malformed, a speaker is unknown, or no turn is by ``gpt``.
+    """
+    turns = row.get(field)
+    if not isinstance(turns, list) or not turns:
+        raise RowError(f"field '{field}' must be a non-empty list of {{{role_field}, {content_field}}} turns")
+    messages = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, Mapping) or not {role_field, content_field} <= turn.keys():
+            raise RowError(f"turn {i} of '{field}' needs '{role_field}' and '{content_field}'")
+        role = SHAREGPT_ROLES.get(str(turn[role_field]))
+        if role is None:
+            known = ", ".join(SHAREGPT_ROLES)
+            raise RowError(f"turn {i} of '{field}' is by '{turn[role_field]}': expected one of {known}")
+        messages.append({"role": role, "content": str(turn[content_field])})
+    return _with_an_assistant_turn(messages, field)
+
+
+def _with_an_assistant_turn(messages: list[dict[str, str]], field: str) -> list[dict[str, str]]:
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError(f"'{field}' has no assistant turn to train on")
+    return messages
+
+
+Render = Callable[[list[dict[str, str]], bool], str]
+"""``render(messages, add_generation_prompt)``: a chat template applied to messages, as text."""
+
+
+def render_chat(messages: list[dict[str, str]], render: Render) -> tuple[str, list[tuple[int, int]]]:
+    """The whole conversation as the chat template writes it, and the character spans to train on.
+
+    A reply's span runs from where the template's generation prompt ends (the conversation so far
+    rendered with ``add_generation_prompt``) to the end of the conversation rendered through that
+    reply, trailing whitespace excluded: the reply and the template's end-of-turn token.
+
+    Raises:
+        RowError: the template rejects the conversation (e.g. roles that do not alternate), or it does
+            not render the conversation as a growing prefix (it rewrites earlier turns), so the spans
+            of the replies cannot be found in the whole.
+    """
+    try:
+        full = render(messages, False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = render(messages[:i], True) if i else ""
+            through = render(messages[: i + 1], False)
+            if not (through.startswith(before) and full.startswith(through)):
+                raise RowError(
+                    f"the chat template rewrites earlier turns when reply {i} is added, so its reply cannot be "
+                    "located in the whole conversation: set data.chat_template to a template that only appends "
+                    "(or data.chat_template=chatml)"
+                )
+            spans.append((len(before), len(through.rstrip())))
+    except RowError:
+        raise
+    except Exception as err:  # jinja's TemplateError, or raise_exception() inside the template
+        raise RowError(f"the chat template refused this conversation: {err}") from None
+    return full, spans
+
+
+def format_text(row: Mapping[str, Any], text_field: str = "text") -> str:
+    """The text of a plain-text row (``data.template=text``: every token is trained on).
+
+    Raises:
+        RowError: the field is missing or is not a string.
+    """
+    return _text_field(row, text_field, required=True)
 
 
 def _text_field(row: Mapping[str, Any], name: str, required: bool) -> str:

@@ -27,6 +27,9 @@ def test_every_config_file_composes(group: str, option: str, tmp_path: Path) -> 
         data_file = tmp_path / "rows.jsonl"
         data_file.write_text('{"instruction": "x", "input": "", "output": "y"}\n')
         overrides.append(f"data.path={data_file}")
+    if group == "data" and option == "mixture":
+        rows = Path(CONF_DIR).parent / "ddptrain" / "assets" / "tiny_instruct.jsonl"
+        overrides.append(f"data.sources=[{{path: {rows}, weight: 2}}, {{path: {rows}, weight: 1}}]")
     cfg = compose_config(overrides)
     assert getattr(cfg, group) is not None
 

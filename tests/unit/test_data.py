@@ -175,9 +175,9 @@ def test_invalid_json_line_names_path_and_line(tmp_path, datasets_cache):
 
 
 def test_unsupported_extension_is_a_value_error(tmp_path, datasets_cache):
-    path = tmp_path / "rows.csv"
+    path = tmp_path / "rows.txt"
     path.write_text("instruction,output\na,b\n")
-    with pytest.raises(ValueError, match=r"unsupported file type '\.csv'.*\.jsonl"):
+    with pytest.raises(ValueError, match=r"unsupported file type '\.txt'.*\.jsonl"):
         load_rows(str(path), str(datasets_cache))
 
 

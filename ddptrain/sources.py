@@ -1,0 +1,100 @@
+"""Where ``data.path`` (and ``data.eval_path``) point: a file, a glob of files, a folder or a Hub dataset id.
+
+``resolve_source`` tells them apart with the standard library alone, so that ``config.py`` can refuse a
+local path that does not exist before any worker starts; ``data.py`` then reads the source through
+``datasets``. A path that does not exist locally and looks like ``owner/name`` is a Hub dataset id:
+whether the Hub (or, offline, the local cache) has it is only known when it is loaded.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+# File type -> the datasets builder that reads it.
+FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+SUPPORTED = ".json, .jsonl, .parquet or .csv"
+# A missing path with one of these endings was meant as a local file, not a Hub id.
+DATA_SUFFIXES = {*FORMATS, ".txt", ".tsv", ".arrow"}
+# Hub ids: "name" or "owner/name" (letters, digits, "-", "_", ".").
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+class SourceKind(str, Enum):
+    file = "file"  # one data file
+    glob = "glob"  # the files a pattern matches, of one type, in sorted order
+    folder = "folder"  # a local folder, read as datasets reads a Hub dataset repository
+    hub = "hub"  # a Hub dataset id (offline: from the local caches)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved ``data.path``: what kind of source it is and, for files, which files in which order."""
+
+    path: str  # as the user typed it
+    kind: SourceKind
+    files: tuple[str, ...] = ()  # file and glob only
+
+    @property
+    def has_splits(self) -> bool:
+        """Folders and Hub datasets have named splits and configs; files are read whole as 'train'."""
+        return self.kind in (SourceKind.folder, SourceKind.hub)
+
+    @property
+    def builder(self) -> str:
+        """The datasets builder that reads the files (json, parquet or csv)."""
+        return FORMATS[Path(self.files[0]).suffix.lower()]
+
+
+def resolve_source(path: str, key: str) -> Source:
+    """Classify ``path``: an existing file or folder, a glob (``*``, ``?``, ``[``), else a Hub dataset id.
+
+    Args:
+        path: the value of ``key``; ``~`` is expanded, relative paths start from the working directory.
+        key: the config key that holds it (``data.path`` or ``data.eval_path``), for errors.
+
+    Raises:
+        ValueError: a file of an unsupported type, a glob that matches nothing or files of several
+            types, or a path that looks local (starts with ``.``, ``/`` or ``~``, has more than one
+            ``/`` or a data-file ending) but does not exist. Each names ``key`` and the fix.
+    """
+    local = os.path.expanduser(path)
+    if any(char in path for char in "*?["):
+        return _resolve_glob(path, key)
+    if os.path.isfile(local):
+        _check_type(key, path, Path(path).suffix.lower())
+        return Source(path, SourceKind.file, (local,))
+    if os.path.isdir(local):
+        return Source(path, SourceKind.folder)
+    if path.startswith((".", "/", "~")) or Path(path).suffix.lower() in DATA_SUFFIXES or not HUB_ID.fullmatch(path):
+        raise ValueError(
+            f"{key}={path}: no such file. Point {key} at a .json, .jsonl or .parquet file (or .csv), a folder, "
+            "a glob such as data/*.jsonl, or a Hub dataset id such as tatsu-lab/alpaca."
+        )
+    return Source(path, SourceKind.hub)
+
+
+def _check_type(key: str, value: str, suffix: str) -> None:
+    if suffix not in FORMATS:
+        raise ValueError(f"{key}={value}: unsupported file type '{suffix}'; use {SUPPORTED}.")
+
+
+def _resolve_glob(pattern: str, key: str) -> Source:
+    files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+    if not files:
+        raise ValueError(
+            f"{key}={pattern}: the pattern matches no files (relative patterns start from {os.getcwd()}). "
+            f"Fix the pattern, e.g. {key}=data/*.jsonl."
+        )
+    suffixes = sorted({Path(f).suffix.lower() for f in files})
+    if len(suffixes) > 1:
+        raise ValueError(
+            f"{key}={pattern}: the pattern matches files of several types ({', '.join(suffixes)}), and they are "
+            f"read as one table of one type: narrow it, e.g. {key}=<folder>/*{suffixes[-1]}."
+        )
+    _check_type(key, pattern, suffixes[0])
+    return Source(pattern, SourceKind.glob, tuple(files))

@@ -1,0 +1,214 @@
+"""Conversations in the model's own chat template, ShareGPT rows and plain text (issue 13, parts 3 and 4).
+
+The oracle is the tokenizer itself: ``apply_chat_template(..., tokenize=True)`` gives the ids the
+model will be prompted with, and each family's template says how an assistant reply ends. The
+training ids must equal the former token for token, and the labelled tokens must read back as
+exactly the assistant replies with their end-of-turn token, in order.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from ddptrain.config import DataConfig, Template
+from ddptrain.data import RowEncoder, tokenize_file
+from ddptrain.model import IGNORE_INDEX, build_tokenizer
+from ddptrain.templates import RowError
+from tests.conftest import QWEN2_TOKENIZER, compose_config, requires_shared
+
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# Mistral's [INST] format: a system message goes in front of the first user message.
+MISTRAL = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = none %}{%- set loop_messages = messages %}"
+    "{%- endif %}{{ bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.first and system %}{{ '[INST] ' + system + '\n\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{ '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"
+)
+
+SYSTEM = {"role": "system", "content": "You answer in one line."}
+TURNS = [
+    {"role": "user", "content": "Name a prime number."},
+    {"role": "assistant", "content": "Seven is prime."},
+    {"role": "user", "content": "And an even one?"},
+    {"role": "assistant", "content": "Two, the only even prime."},
+]
+CONVERSATIONS = [TURNS, [SYSTEM, *TURNS], [SYSTEM, *TURNS[:2]]]
+
+
+def with_template(template: str, bos: str, eos: str, special: list[str]):
+    """The bundled tokenizer made to speak another family's format (its control tokens are single tokens)."""
+    tokenizer = copy.deepcopy(build_tokenizer(compose_config([]).model))
+    tokenizer.add_special_tokens({"bos_token": bos, "eos_token": eos, "additional_special_tokens": special})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def family(name: str):
+    """(tokenizer, how the template ends an assistant reply)."""
+    if name == "qwen2":
+        if not QWEN2_TOKENIZER.is_dir():
+            pytest.skip("needs ../shared/data/tokenizers/qwen2")
+        return build_tokenizer(compose_config([f"model.tokenizer={QWEN2_TOKENIZER}"]).model), "{}<|im_end|>"
+    if name == "llama3":
+        special = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+        return with_template(LLAMA3, "<|begin_of_text|>", "<|end_of_text|>", special), "{}<|eot_id|>"
+    return with_template(MISTRAL, "<s>", "</s>", ["[INST]", "[/INST]"]), " {}</s>"
+
+
+def target_runs(ids: list[int], labels: list[int], tokenizer) -> list[str]:
+    """The labelled tokens as text, one string per unbroken run."""
+    runs, current = [], []
+    for token, label in zip(ids, labels):
+        if label != IGNORE_INDEX:
+            assert label == token, "a target must be the token at its position"
+            current.append(token)
+        elif current:
+            runs, current = [*runs, current], []
+    runs += [current] if current else []
+    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
+
+
+def encode_file(tmp_path: Path, cache: Path, tokenizer, rows: list[dict], **settings):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg = DataConfig(path=str(path), cache_dir=str(cache), max_length=4096, **settings)
+    return tokenize_file(str(path), cfg, tokenizer, None)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param("qwen2", marks=requires_shared), "llama3", "mistral"], ids=["qwen2", "llama3", "mistral"]
+)
+def test_training_ids_are_the_templates_and_only_assistant_replies_are_trained(name, tmp_path, datasets_cache):
+    tokenizer, reply_end = family(name)
+    rows = [{"messages": messages} for messages in CONVERSATIONS]
+    data, stats = encode_file(tmp_path, datasets_cache, tokenizer, rows, template=Template.chat)
+    assert stats["skipped_bad"] == 0 and len(data) == len(CONVERSATIONS)
+    for messages, row in zip(CONVERSATIONS, data):
+        expected_ids = tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+        assert row["input_ids"] == expected_ids, "training ids differ from the model's own chat format"
+        replies = [reply_end.format(m["content"]) for m in messages if m["role"] == "assistant"]
+        assert target_runs(row["input_ids"], row["labels"], tokenizer) == replies
+
+
+def test_sharegpt_rows_train_like_the_same_conversation_in_messages(tmp_path, datasets_cache):
+    tokenizer, _ = family("llama3")
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    messages = CONVERSATIONS[1]
+    sharegpt = {"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in messages]}
+    as_sharegpt, _ = encode_file(tmp_path, datasets_cache, tokenizer, [sharegpt], template=Template.sharegpt)
+    (tmp_path / "again").mkdir()
+    as_messages, _ = encode_file(
+        tmp_path / "again", datasets_cache, tokenizer, [{"messages": messages}], template=Template.chat
+    )
+    assert as_sharegpt[0]["input_ids"] == as_messages[0]["input_ids"]
+    assert as_sharegpt[0]["labels"] == as_messages[0]["labels"]
+
+
+def test_sharegpt_field_names_are_configurable_and_unknown_speakers_are_named():
+    tokenizer, _ = family("llama3")
+    cfg = DataConfig(
+        path="unused.jsonl", template=Template.sharegpt, conversations_field="c", role_field="who", content_field="t"
+    )
+    encoder = RowEncoder(cfg, tokenizer)
+    text, spans, append_eos = encoder.turns({"c": [{"who": "human", "t": "Hi"}, {"who": "gpt", "t": "Hello"}]})
+    assert [text[a:b] for a, b in spans] == ["Hello<|eot_id|>"] and not append_eos
+    with pytest.raises(RowError, match=r"turn 1 of 'c' is by 'bot'"):
+        encoder.turns({"c": [{"who": "human", "t": "Hi"}, {"who": "bot", "t": "Hello"}]})
+
+
+def test_a_template_that_refuses_a_conversation_is_a_row_error_that_skip_bad_rows_counts(tmp_path, datasets_cache):
+    tokenizer, _ = family("llama3")
+    refuses = "{% if messages | length > 2 %}{{ raise_exception('only one exchange') }}{% endif %}" + LLAMA3
+    rows = [{"messages": TURNS[:2]}, {"messages": TURNS}]
+    with pytest.raises(ValueError, match=r"rows\.jsonl:2: the chat template refused this conversation"):
+        encode_file(tmp_path, datasets_cache, tokenizer, rows, template=Template.chat, chat_template=refuses)
+    data, stats = encode_file(
+        tmp_path, datasets_cache, tokenizer, rows, template=Template.chat, chat_template=refuses, skip_bad_rows=True
+    )
+    assert stats["skipped_bad"] == 1 and len(data) == 1
+
+
+def test_data_chat_template_overrides_the_tokenizers_from_a_file_or_as_chatml(tmp_path, datasets_cache):
+    tokenizer, _ = family("llama3")
+    (tmp_path / "mistral.jinja").write_text(MISTRAL.replace("eos_token", "'<|eot_id|>'"))
+    from_file = DataConfig(path="unused.jsonl", template=Template.chat, chat_template=str(tmp_path / "mistral.jinja"))
+    text, spans, _ = RowEncoder(from_file, tokenizer).turns({"messages": TURNS[:2]})
+    assert text.startswith("<|begin_of_text|>[INST] Name a prime number.[/INST]")
+    assert [text[a:b] for a, b in spans] == [" Seven is prime.<|eot_id|>"]
+    chatml = DataConfig(path="unused.jsonl", template=Template.chat, chat_template="chatml")
+    assert RowEncoder(chatml, tokenizer).turns({"messages": TURNS[:2]}) == [
+        ("<|im_start|>user\nName a prime number.<|im_end|>\n<|im_start|>assistant\n", "Seven is prime.<|im_end|>")
+    ]
+
+
+def test_changing_the_chat_template_does_not_reuse_the_tokenized_cache(tmp_path, datasets_cache):
+    tokenizer, _ = family("llama3")
+    rows = [{"messages": TURNS}]
+    first, _ = encode_file(tmp_path, datasets_cache, tokenizer, rows, template=Template.chat)
+    other = LLAMA3.replace("<|eot_id|>", "<|end_header_id|>")
+    second, _ = encode_file(tmp_path, datasets_cache, tokenizer, rows, template=Template.chat, chat_template=other)
+    assert first[0]["input_ids"] != second[0]["input_ids"]
+
+
+def test_plain_text_trains_on_every_token_and_ends_with_eos(tmp_path, datasets_cache):
+    tokenizer = build_tokenizer(compose_config([]).model)
+    rows = [{"text": "The quick brown fox jumps over the lazy dog."}, {"body": "x"}]
+    with pytest.raises(ValueError, match=r"rows\.jsonl:2: missing field 'text'"):
+        encode_file(tmp_path, datasets_cache, tokenizer, rows, template=Template.text)
+    data, _ = encode_file(tmp_path, datasets_cache, tokenizer, rows[:1], template=Template.text)
+    expected = [*tokenizer(rows[0]["text"], add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    assert data[0]["input_ids"] == expected and data[0]["labels"] == expected
+
+
+def test_a_chat_template_setting_that_is_neither_a_file_nor_a_template_fails_before_training() -> None:
+    from ddptrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data\.chat_template=no/such\.jinja: no such file"):
+        compose_config(["data=tiny_chat", "data.chat_template=no/such.jinja"])
+    assert compose_config(["data=tiny_chat", "data.chat_template=chatml"]).data.chat_template == "chatml"
+
+
+def test_plain_text_packs_and_trains_with_every_token_a_target(tmp_path) -> None:
+    """data.template=text with data.batching=packed through the real Trainer: each packed row's labels are its
+    input ids everywhere but at each sample's first position (never predicted from the sample before)."""
+    import math
+
+    from ddptrain import parallel
+    from ddptrain.trainer import Trainer
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda".split()
+    lines = [" ".join(words[i % 7 : i % 7 + 3 + i % 5]) + f" number {i}." for i in range(40)]
+    path = tmp_path / "text.jsonl"
+    path.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    overrides = ["parallel=single", "trainer.progress_bar=false", "trainer.max_steps=3", "trainer.save_final=false"]
+    data = [
+        f"data.path={path}",
+        "data.template=text",
+        "data.batching=packed",
+        "data.max_tokens_per_batch=64",
+        "data.max_length=64",
+    ]
+    cfg = compose_config([*overrides, *data, "data.eval_fraction=0", f"data.cache_dir={tmp_path / 'cache'}"])
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
+    try:
+        trainer = Trainer(cfg, env, tmp_path)
+        seen, collate = [], trainer.loader.collate_fn
+        trainer.loader.collate_fn = lambda rows: seen.append(collate(rows)) or seen[-1]
+        record = trainer.fit()
+    finally:
+        parallel.teardown()
+    assert len(seen) == 3 and math.isfinite(record["loss"])
+    for batch in seen:
+        first_of_sample = batch["position_ids"] == 0
+        assert bool(((batch["labels"] == batch["input_ids"]) | first_of_sample).all())
+        assert int((batch["labels"] == IGNORE_INDEX).sum()) == int(first_of_sample.sum())

@@ -1,0 +1,295 @@
+"""data.path as users keep their data: a csv file, a glob, a folder (plain, or laid out as a Hub dataset
+repository), a Hub dataset id (offline here: nothing is downloaded), with data.subset and data.split."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import datasets
+import huggingface_hub
+import pytest
+
+from ddptrain.config import ASSETS_DIR, ConfigError
+from ddptrain.data import load_rows, tokenize_file
+from ddptrain.templates import alpaca_prompt
+from tests.conftest import compose_config, read_metrics, run_ddptrain, run_dirs
+from tests.unit import test_data
+from tests.unit.test_data import ROWS, data_cfg, ids, write_jsonl
+
+tokenizer = test_data.tokenizer  # the fixture, shared with test_data.py
+
+HUB_LAYOUT_README = """---
+configs:
+- config_name: default
+  default: true
+  data_files:
+  - split: train
+    path: data/train-*.parquet
+  - split: test
+    path: data/test-*.parquet
+- config_name: short
+  data_files:
+  - split: train
+    path: short/*.parquet
+---
+"""
+
+
+def encoded(tokenizer, path: str, cache: Path, **cfg) -> list[list[int]]:
+    """input_ids of every row read from ``path`` (data.path=path and the given data.* keys)."""
+    data, _ = tokenize_file(path, data_cfg(path, cache, **cfg), tokenizer, None)
+    return data["input_ids"]
+
+
+def reference(tokenizer, rows: list[dict]) -> list[list[int]]:
+    """input_ids of Alpaca rows, written out by hand: prompt, response, EOS."""
+    return [
+        ids(tokenizer, alpaca_prompt(r["instruction"], r["input"]))
+        + ids(tokenizer, r["output"])
+        + [tokenizer.eos_token_id]
+        for r in rows
+    ]
+
+
+def write_parquet(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+
+
+def touch_later(path: Path) -> None:
+    """Move the modification time on by a second, as an edit a second later would."""
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+
+# ----------------------------------------------------------------------------- files and globs
+
+
+def test_csv_file_encodes_like_the_rows(tokenizer, tmp_path, datasets_cache):
+    path = tmp_path / "rows.csv"
+    datasets.Dataset.from_list(ROWS).to_csv(str(path), index=False)
+    assert path.read_text().startswith("instruction,input,output\n")
+    assert encoded(tokenizer, str(path), datasets_cache) == reference(tokenizer, ROWS)
+
+
+def test_glob_reads_every_match_in_sorted_order(tokenizer, tmp_path, datasets_cache):
+    # Written in reverse order: only sorting puts part-1's rows first.
+    write_jsonl(tmp_path / "part-2.jsonl", ROWS[2:])
+    write_jsonl(tmp_path / "part-1.jsonl", ROWS[:2])
+    (tmp_path / "notes.txt").write_text("not matched by the pattern\n")
+    assert encoded(tokenizer, f"{tmp_path}/part-*.jsonl", datasets_cache) == reference(tokenizer, ROWS)
+
+
+def test_bad_row_in_a_glob_names_its_own_file_and_line(tokenizer, tmp_path, datasets_cache):
+    write_jsonl(tmp_path / "a.jsonl", ROWS[:2])
+    second = write_jsonl(tmp_path / "b.jsonl", [ROWS[2], {"instruction": "No output here."}])
+    with pytest.raises(ValueError, match=re.escape(f"{second}:2: ")):
+        encoded(tokenizer, f"{tmp_path}/*.jsonl", datasets_cache)
+
+
+def test_glob_errors_name_the_pattern(tmp_path, datasets_cache):
+    with pytest.raises(ValueError, match=re.escape(f"data.path={tmp_path}/*.jsonl: the pattern matches no files")):
+        load_rows(f"{tmp_path}/*.jsonl", str(datasets_cache))
+    write_jsonl(tmp_path / "a.jsonl", ROWS)
+    datasets.Dataset.from_list(ROWS).to_csv(str(tmp_path / "b.csv"), index=False)
+    with pytest.raises(ValueError, match=r"files of several types \(\.csv, \.jsonl\)"):
+        load_rows(f"{tmp_path}/*", str(datasets_cache))
+
+
+def test_unsupported_file_type_lists_the_supported_ones(tmp_path, datasets_cache):
+    path = tmp_path / "rows.txt"
+    path.write_text("instruction,output\na,b\n")
+    with pytest.raises(ValueError, match=r"data\.path=.*rows\.txt: unsupported file type '\.txt'; .*\.jsonl.*\.csv"):
+        load_rows(str(path), str(datasets_cache))
+
+
+def test_invalid_json_line_in_a_glob_names_file_and_line(tmp_path, datasets_cache):
+    write_jsonl(tmp_path / "a.jsonl", ROWS)
+    broken = tmp_path / "b.jsonl"
+    broken.write_text(json.dumps(ROWS[0]) + '\n{"instruction": "x", "output": \n')
+    with pytest.raises(ValueError, match=re.escape(f"{broken}:2: not valid JSON")):
+        load_rows(f"{tmp_path}/*.jsonl", str(datasets_cache))
+
+
+def test_an_edited_glob_member_is_not_served_from_a_stale_cache(tokenizer, tmp_path, datasets_cache):
+    write_jsonl(tmp_path / "a.jsonl", ROWS[:2])
+    second = tmp_path / "b.jsonl"
+    write_jsonl(second, ROWS[2:3])
+    pattern = f"{tmp_path}/*.jsonl"
+    first, _ = tokenize_file(pattern, data_cfg(pattern, datasets_cache), tokenizer, None)
+    assert first["input_ids"] == reference(tokenizer, ROWS[:3])
+
+    write_jsonl(second, ROWS[3:4])
+    touch_later(second)
+    again, _ = tokenize_file(pattern, data_cfg(pattern, datasets_cache), tokenizer, None)
+    assert again._fingerprint != first._fingerprint
+    assert again["input_ids"] == reference(tokenizer, [*ROWS[:2], ROWS[3]])
+
+
+# ----------------------------------------------------------------------------- folders
+
+
+def test_folder_of_jsonl_files_reads_them_all(tokenizer, tmp_path, datasets_cache):
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ROWS[:3])
+    write_jsonl(folder / "b.jsonl", ROWS[3:])
+    assert sorted(encoded(tokenizer, str(folder), datasets_cache)) == sorted(reference(tokenizer, ROWS))
+
+
+def test_folder_laid_out_as_a_hub_dataset_gives_the_split_asked_for(tokenizer, tmp_path, datasets_cache):
+    repo = tmp_path / "repo"
+    write_parquet(repo / "data" / "train-00000-of-00001.parquet", ROWS[:3])
+    write_parquet(repo / "data" / "test-00000-of-00001.parquet", ROWS[3:])
+    assert encoded(tokenizer, str(repo), datasets_cache) == reference(tokenizer, ROWS[:3])
+    assert encoded(tokenizer, str(repo), datasets_cache, split="test") == reference(tokenizer, ROWS[3:])
+    with pytest.raises(ValueError, match=r"data\.path=.*repo: Unknown split \"validation\".*Set data\.split"):
+        encoded(tokenizer, str(repo), datasets_cache, split="validation")
+
+
+def test_subset_picks_a_config_of_the_dataset_card(tokenizer, tmp_path, datasets_cache):
+    repo = tmp_path / "repo"
+    write_parquet(repo / "data" / "train-00000-of-00001.parquet", ROWS[:3])
+    write_parquet(repo / "data" / "test-00000-of-00001.parquet", ROWS[3:])
+    write_parquet(repo / "short" / "train-00000-of-00001.parquet", ROWS[1:2])
+    (repo / "README.md").write_text(HUB_LAYOUT_README)
+    assert encoded(tokenizer, str(repo), datasets_cache) == reference(tokenizer, ROWS[:3])
+    assert encoded(tokenizer, str(repo), datasets_cache, subset="short") == reference(tokenizer, ROWS[1:2])
+    with pytest.raises(ValueError, match=r"'long' not found.*Set data\.subset"):
+        encoded(tokenizer, str(repo), datasets_cache, subset="long")
+
+
+# ----------------------------------------------------------------------------- Hub ids, offline
+
+
+@pytest.fixture
+def offline(monkeypatch) -> list[str]:
+    """HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1, set after datasets was imported; every attempt to reach
+    the network is refused and recorded."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    attempts: list[str] = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(repr(args[:2]))
+        raise OSError("this test is offline")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
+
+
+def test_missing_hub_dataset_offline_fails_fast_naming_the_key_and_the_download(offline, tmp_path, datasets_cache):
+    name = "ddptrain-tests/no-such-dataset"
+    online_settings = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    start = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        load_rows(name, str(datasets_cache))
+    assert time.monotonic() - start < 5
+    assert offline == [], "no network call may be attempted offline"
+    message = str(info.value)
+    assert message.startswith(f"data.path={name}: ")
+    assert "offline mode is on" in message
+    assert f"hf download --repo-type dataset {name}" in message
+    assert "point data.path at that folder" in message
+    # The settings datasets and huggingface_hub read at import are left as they were.
+    assert online_settings == (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
+
+
+def test_hub_dataset_in_the_hub_cache_loads_offline(offline, tokenizer, tmp_path, datasets_cache, monkeypatch):
+    # What `hf download --repo-type dataset owner/rows` leaves in the Hub cache.
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    storage = cache / "datasets--owner--rows"
+    write_parquet(storage / "snapshots" / commit / "data" / "train-00000-of-00001.parquet", ROWS[:3])
+    write_parquet(storage / "snapshots" / commit / "data" / "test-00000-of-00001.parquet", ROWS[3:])
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    assert encoded(tokenizer, "owner/rows", datasets_cache, split="test") == reference(tokenizer, ROWS[3:])
+    assert offline == []
+
+
+# ----------------------------------------------------------------------------- config checks
+
+
+@pytest.mark.parametrize("path", ["./no/such/rows.jsonl", "/no/such/folder", "~/no/such/rows.parquet", "rows.csv"])
+def test_config_refuses_a_local_path_that_does_not_exist(path):
+    with pytest.raises(ConfigError, match=rf"data\.path={re.escape(path)}: no such file\. Point data\.path at"):
+        compose_config([f"data.path='{path}'"])
+
+
+def test_config_refuses_a_glob_without_matches_and_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=rf"data\.eval_path={re.escape(str(tmp_path))}/\*\.jsonl: the pattern"):
+        compose_config([f"data.eval_path={tmp_path}/*.jsonl"])
+
+
+def test_config_lets_hub_ids_and_folders_through(tmp_path):
+    cfg = compose_config(["data.path=tatsu-lab/alpaca", "data.subset=default", "data.split='train[:90%]'"])
+    assert (cfg.data.path, cfg.data.subset, cfg.data.split) == ("tatsu-lab/alpaca", "default", "train[:90%]")
+    assert compose_config([f"data.path={tmp_path}", "data.split=test"]).data.split == "test"
+
+
+def test_config_refuses_split_and_subset_for_files():
+    with pytest.raises(ConfigError) as info:
+        compose_config(["data.split=test", "data.subset=short"])  # data=tiny_instruct: one .jsonl file
+    assert [p.split(" has no effect")[0] for p in info.value.problems] == ["data.split=test", "data.subset=short"]
+    assert "Remove data.split" in info.value.problems[0]
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def write_source(kind: str, folder: Path) -> str:
+    """The first 400 bundled rows as a glob of two .jsonl files, a Hub-layout folder, or one .csv file."""
+    lines = (ASSETS_DIR / "tiny_instruct.jsonl").read_text().splitlines(keepends=True)[:400]
+    folder.mkdir()
+    if kind == "glob":
+        (folder / "half-1.jsonl").write_text("".join(lines[:200]))
+        (folder / "half-2.jsonl").write_text("".join(lines[200:]))
+        shutil.copy(ASSETS_DIR / "tiny_instruct.jsonl", folder / "ignored.json")  # not matched by *.jsonl
+        return f"{folder}/*.jsonl"
+    rows = [json.loads(line) for line in lines]
+    if kind == "hub-folder":
+        (folder / "data").mkdir()
+        datasets.Dataset.from_list(rows).to_parquet(str(folder / "data" / "train-00000-of-00001.parquet"))
+        return str(folder)
+    with (folder / "rows.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["instruction", "input", "output"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return str(folder / "rows.csv")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", ["glob", "hub-folder", "csv"])
+def test_a_glob_a_hub_layout_folder_and_a_csv_file_each_train_two_ranks(tmp_path, datasets_cache, kind) -> None:
+    source = write_source(kind, tmp_path / "data")
+    result = run_ddptrain(
+        [
+            f"data.path={source}",
+            "data.eval_fraction=0",
+            f"data.cache_dir={datasets_cache}",
+            "trainer.max_steps=10",
+            "trainer.log_every_n_steps=5",
+            "trainer.progress_bar=false",
+            "trainer.save_final=false",
+            "parallel.timeout_s=60",
+            f"trainer.output_dir={tmp_path / 'out'}",
+        ],
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 of 2 on " in result.stderr
+    assert f"data: 400 training rows, 0 eval rows from {source}" in result.stderr
+    (run_dir,) = run_dirs(tmp_path / "out")
+    train = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert [r["step"] for r in train] == [5, 10]
+    assert all(r["tokens"] > 0 for r in train)
