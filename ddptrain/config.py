@@ -432,6 +432,14 @@ def _check_sources(d: DataConfig) -> list[str]:
             f"data.sources and data.path={d.path} are both set: a mixture reads only data.sources. Set "
             "data.path=null (data=mixture does), or drop data.sources."
         )
+    if d.max_rows is not None:
+        problems.append(
+            f"data.max_rows={d.max_rows} applies to data.path, not to a mixture: set data.sources[k].max_rows on "
+            "the sources to cut, and data.max_rows=null."
+        )
+    for key, value, default in (("data.split", d.split, "train"), ("data.subset", d.subset, None)):
+        if value != default:
+            problems.append(f"{key}={value} applies to data.path, not to a mixture: set data.sources[k].{key[5:]}.")
     weights = [s.weight for s in d.sources]
     if any(w is None for w in weights) and any(w is not None for w in weights):
         problems.append(
@@ -440,9 +448,15 @@ def _check_sources(d: DataConfig) -> list[str]:
         )
     for k, source in enumerate(d.sources):
         try:
-            resolve_source(source.path, f"data.sources[{k}].path")
+            files_only = not resolve_source(source.path, f"data.sources[{k}].path").has_splits
         except ValueError as err:
             problems.append(str(err))
+            files_only = False
+        if files_only and (source.split not in (None, "train") or source.subset is not None):
+            problems.append(
+                f"data.sources[{k}] sets split={source.split} / subset={source.subset}, which have no effect: "
+                f"{source.path} names files, read whole. Remove them, or point the source at a folder or Hub dataset."
+            )
         if source.weight is not None and source.weight <= 0:
             problems.append(f"data.sources[{k}].weight={source.weight} must be positive.")
         if source.eval_fraction is not None and not 0.0 <= source.eval_fraction < 1.0:

@@ -13,6 +13,7 @@ dataset carries a ``length`` column so the sampler never re-tokenizes.
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import hashlib
 import itertools
@@ -21,6 +22,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -36,7 +38,7 @@ from ddptrain.config import Batching, DataConfig, RunConfig, SourceConfig, Templ
 from ddptrain.metrics import RANK_ZERO_ONLY
 from ddptrain.model import IGNORE_INDEX
 from ddptrain.parallel import DistEnv
-from ddptrain.sampler import BatchingSpec, DistributedBatchSampler
+from ddptrain.sampler import BatchingSpec, DistributedBatchSampler, EpochRows
 from ddptrain.sources import Source, SourceKind, resolve_source
 from ddptrain.templates import (
     RowError,
@@ -60,6 +62,7 @@ class TokenizedData:
     train: datasets.Dataset
     eval: datasets.Dataset | None
     stats: dict[str, int]
+    epoch_rows: EpochRows | None = None  # a weighted mixture: the rows of ``train`` each epoch draws
 
 
 # ----------------------------------------------------------------------------- loading
@@ -95,7 +98,10 @@ def load_rows(
     try:
         if not source.has_splits:  # data files: datasets names their rows the 'train' split
             files = list(source.files)
-            return datasets.load_dataset(source.builder, data_files=files, split="train", cache_dir=cache_dir)
+            read_as = _csv_as_text(files[0]) if source.builder == "csv" else {}
+            return datasets.load_dataset(
+                source.builder, data_files=files, split="train", cache_dir=cache_dir, **read_as
+            )
         with _offline_mode(offline):
             return datasets.load_dataset(_local_copy(source, offline), name=subset, split=split, cache_dir=cache_dir)
     except Exception as exc:  # datasets wraps parse errors several layers deep
@@ -138,6 +144,23 @@ def _local_copy(source: Source, offline: bool) -> str:
     return source.path
 
 
+def _group(key: str) -> str:
+    """Where a source's keys live: ``data`` for data.path / data.eval_path, ``data.sources[k]`` in a mixture."""
+    return key.removesuffix(".path") if key.startswith("data.sources[") else "data"
+
+
+def _csv_as_text(first_file: str) -> dict[str, Any]:
+    """Read every CSV column as text: pandas would make an answer column of digits integers (a row error),
+    infer types chunk by chunk (a column empty for 10k rows, then filled, fails to load) and turn
+    empty cells into NaN."""
+    with open(first_file, newline="", encoding="utf-8") as f:
+        header = next(csv.reader(f), [])
+    return {
+        "features": datasets.Features({name: datasets.Value("string") for name in header}),
+        "keep_default_na": False,
+    }
+
+
 def _explain_load_error(source: Source, key: str, offline: bool, exc: Exception) -> str:
     """Why ``source`` could not be read, and the fix: the text after ``<key>=``."""
     path, text = source.path, str(exc)
@@ -154,9 +177,9 @@ def _explain_load_error(source: Source, key: str, offline: bool, exc: Exception)
             f"reads), or download it to a folder (--local-dir) and point {key} at that folder."
         )
     if "Unknown split" in text:
-        return f"{path}: {text} Set data.split to one of them."
+        return f"{path}: {text} Set {_group(key)}.split to one of them."
     if "BuilderConfig" in text:
-        return f"{path}: {text} Set data.subset to one of them (the dataset's configs)."
+        return f"{path}: {text} Set {_group(key)}.subset to one of them (the dataset's configs)."
     for file in _jsonl_files(source):
         if (bad_line := _first_bad_line(file)) is not None:
             return bad_line if source.kind == SourceKind.file else f"{path}: {bad_line}"
@@ -210,6 +233,13 @@ class RowEncoder:
         self.eos_id = tokenizer.eos_token_id
         self.chat_template = resolve_chat_template(cfg, tokenizer)
         self.whole_text = cfg.template == Template.text or self.chat_template is not None
+        if self.whole_text and not tokenizer.is_fast:
+            # The trained spans are found through the fast tokenizers' character offsets.
+            raise ValueError(
+                f"data.template={cfg.template.value} needs a fast tokenizer (character offsets), but "
+                f"{type(tokenizer).__name__} is not one: point model.tokenizer at a folder with a tokenizer.json, "
+                "or for chat rows set data.chat_template=chatml."
+            )
 
     def turns(self, row: dict[str, Any]) -> Any:
         """Pieces (alpaca, ChatML) or ``(text, spans to train on, append EOS)``.
@@ -230,7 +260,7 @@ class RowEncoder:
             field = c.conversations_field
         if self.chat_template is None:
             return chatml_turns(messages, field)
-        text, spans = render_chat(messages, self.render)
+        text, spans = render_chat(messages, self.render, self.tokenizer.eos_token)
         return text, spans, False
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
@@ -284,7 +314,9 @@ class RowEncoder:
         limit = self.cfg.max_length
         return input_ids[:limit], labels[:limit], len(input_ids) > limit
 
-    def __call__(self, batch: dict[str, list], indices: list[int], source: str) -> dict[str, list]:
+    def __call__(
+        self, batch: dict[str, list], indices: list[int], source: str, key: str = "data.path"
+    ) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         turns_per_row: list[Any] = []
         for index, row in zip(indices, rows):
@@ -293,7 +325,7 @@ class RowEncoder:
             except RowError as err:
                 if not self.cfg.skip_bad_rows:
                     raise ValueError(
-                        f"{_locate(source, index)}: {err}. Fix the row, set the data.*_field keys to "
+                        f"{_locate(source, index)}: {err}. Fix the row, set the {_group(key)}.*_field keys to "
                         "your field names, or set data.skip_bad_rows=true to skip such rows."
                     ) from None
                 turns_per_row.append(None)
@@ -403,7 +435,7 @@ def tokenize_file(
         encoder,
         batched=True,
         with_indices=True,
-        fn_kwargs={"source": path},
+        fn_kwargs={"source": path, "key": key},
         remove_columns=raw.column_names,
         new_fingerprint=_fingerprint(raw, cfg, tokenizer),
         desc=f"tokenizing {Path(path).name}",
@@ -480,11 +512,12 @@ def _report(cfg: DataConfig, stats: dict[str, int], n_train: int, eval_set: data
 
 
 def build_mixture(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> TokenizedData:
-    """``data.sources``: each source read and tokenized with its own settings, its eval share held out on
-    its own, then the training rows mixed by weight (``mixture_indices``), with a ``source`` column.
+    """``data.sources``: each source read and tokenized with its own settings and its eval share held out on
+    its own; the training set holds every source's rows (with a ``source`` column), and with weights each
+    epoch draws its mixture from them anew (``mixture_indices``).
 
     Raises:
-        ValueError: a source that cannot be read, or that has no usable row (naming data.sources[i]).
+        ValueError: a source that cannot be read, or that has no usable row (naming data.sources[k]).
     """
     trains, evals, stats = [], [], {}
     for k, source in enumerate(cfg.sources):
@@ -495,34 +528,34 @@ def build_mixture(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
         if len(data) == 0:
             raise ValueError(
                 f"{key}={source.path}: no usable rows left after tokenization ({source_stats}). Check its template "
-                "and field names (data.sources[i].template, *_field), or raise data.max_length."
+                f"and field names (data.sources[{k}].template, data.sources[{k}].*_field), or raise data.max_length."
             )
         if cfg.eval_path is None and source_cfg.eval_fraction > 0:
             split = data.train_test_split(test_size=source_cfg.eval_fraction, seed=seed)
             data, held_out = split["train"], split["test"]
             evals.append(held_out.add_column("source", [k] * len(held_out)))
-        trains.append(data)
+        trains.append(data.add_column("source", [k] * len(data)))
         stats = {name: stats.get(name, 0) + count for name, count in source_stats.items()}
-    picks = mixture_indices([len(t) for t in trains], [s.weight for s in cfg.sources], seed)
-    train = datasets.concatenate_datasets(
-        [t.select(p).add_column("source", [k] * len(p)) for k, (t, p) in enumerate(zip(trains, picks))]
-    )
+    train = datasets.concatenate_datasets(trains)
+    sizes, weights = [len(t) for t in trains], [s.weight for s in cfg.sources]
+    epoch_rows = None if all(w is None for w in weights) else partial(mixture_rows, sizes, weights, seed)
     eval_set = datasets.concatenate_datasets(evals) if evals else None
     if cfg.eval_path is not None:
         eval_set, eval_stats = tokenize_file(cfg.eval_path, cfg, tokenizer, None, "data.eval_path")
         stats.update({f"eval_{k}": v for k, v in eval_stats.items()})
-    for k, (source, p) in enumerate(zip(cfg.sources, picks)):
+    drawn = [len(p) for p in mixture_indices(sizes, weights, seed, epoch=0)]
+    for k, source in enumerate(cfg.sources):
         log.info(
-            "data: source %d (%s): %d training rows of %d (weight %s)",
+            "data: source %d (%s): %d of its %d training rows per epoch (weight %s)",
             k,
             source.path,
-            len(p),
-            len(trains[k]),
+            drawn[k],
+            sizes[k],
             source.weight,
             extra=RANK_ZERO_ONLY,
         )
     _report(cfg, stats, len(train), eval_set)
-    return TokenizedData(train, eval_set, stats)
+    return TokenizedData(train, eval_set, stats, epoch_rows)
 
 
 def source_data_config(cfg: DataConfig, source: SourceConfig) -> DataConfig:
@@ -531,13 +564,13 @@ def source_data_config(cfg: DataConfig, source: SourceConfig) -> DataConfig:
     return dataclasses.replace(cfg, **{"max_rows": None, **own, "sources": []})
 
 
-def mixture_indices(sizes: list[int], weights: list[float | None], seed: int) -> list[np.ndarray]:
-    """Which rows of each source the mixture holds, fixed by ``seed``.
+def mixture_indices(sizes: list[int], weights: list[float | None], seed: int, epoch: int = 0) -> list[np.ndarray]:
+    """Which rows of each source an epoch's mixture holds, fixed by ``(seed, epoch)``.
 
     Without weights every row of every source, once. With weights the mixture keeps the sources' total
     row count and gives source k the share weight_k / sum(weights) of it (largest remainders): a source
     with fewer rows than its share is repeated whole and topped up with a random part of itself, one
-    with more is subsampled. The sampler shuffles the result anew each epoch.
+    with more is subsampled, with another part every epoch.
     """
     if all(w is None for w in weights):
         return [np.arange(n) for n in sizes]
@@ -547,10 +580,16 @@ def mixture_indices(sizes: list[int], weights: list[float | None], seed: int) ->
     counts[np.argsort(-(exact - counts), kind="stable")[: total - int(counts.sum())]] += 1
     picks = []
     for k, (n, count) in enumerate(zip(sizes, counts.tolist())):
-        rng = np.random.default_rng([seed, k])
+        rng = np.random.default_rng([seed, epoch, k])
         whole, rest = divmod(count, n)
         picks.append(np.concatenate([*(rng.permutation(n) for _ in range(whole)), rng.permutation(n)[:rest]]))
     return picks
+
+
+def mixture_rows(sizes: list[int], weights: list[float | None], seed: int, epoch: int) -> np.ndarray:
+    """``mixture_indices`` as indices into the concatenation of the sources (the training set)."""
+    offsets = np.cumsum([0, *sizes[:-1]])
+    return np.concatenate([offset + p for offset, p in zip(offsets, mixture_indices(sizes, weights, seed, epoch))])
 
 
 # ----------------------------------------------------------------------------- collate
@@ -720,7 +759,7 @@ def build_training_data(
     with parallel.local_rank_zero_first(env, cfg.prepare_timeout_s, "tokenizing the dataset"):
         data = build_datasets(cfg, tokenizer, seed)
     spec = build_batching_spec(cfg, env.world_size, grad_accum_steps, seed)
-    sampler = DistributedBatchSampler(data.train["length"], spec, env.rank)
+    sampler = DistributedBatchSampler(data.train["length"], spec, env.rank, data.epoch_rows)
     parallel.check_same_on_all_ranks(
         len(sampler), "micro-batches per epoch", "Every rank must build the same batch plan; this is a bug."
     )

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +57,8 @@ from ddptrain.config import Batching
 Row = tuple[int, ...]
 """Dataset indices in one row: one index, or several when packed."""
 MicroBatch = list[Row]
+EpochRows = Callable[[int], Sequence[int]]
+"""The dataset indices an epoch draws from (``data.sources`` with weights draws anew each epoch)."""
 
 # Micro-steps per mega-batch. Larger sorts more samples together (less padding) but mixes less.
 MEGA_BATCH_STEPS = 50
@@ -415,13 +417,15 @@ class DistributedBatchSampler:
     ``skip`` or ``load_state_dict``, and ``state_dict`` gives them back for a checkpoint.
     """
 
-    def __init__(self, lengths, spec: BatchingSpec, rank: int):
+    def __init__(self, lengths, spec: BatchingSpec, rank: int, epoch_rows: EpochRows | None = None):
         """Plan epoch 0.
 
         Args:
             lengths: token length of every sample (1-D integers).
             spec: batching spec, equal on every rank.
             rank: this process's rank, ``0 <= rank < spec.world_size``.
+            epoch_rows: the samples each epoch draws from (a weighted mixture draws anew every epoch);
+                None = every sample, every epoch.
 
         Raises:
             ValueError: rank out of range, or the data cannot fill one micro-step (see ``plan_epoch``).
@@ -431,9 +435,18 @@ class DistributedBatchSampler:
         self.spec = spec
         self.rank = rank
         self._lengths = _check_lengths(lengths, spec)
+        self._epoch_rows = epoch_rows
         self._epoch = 0
         self._position = 0
-        self._plan = plan_epoch(self._lengths, spec, 0)
+        self._plan = self._plan_of(0)
+
+    def _plan_of(self, epoch: int) -> list[list[MicroBatch]]:
+        """The epoch's plan over the samples it draws, in dataset indices."""
+        if self._epoch_rows is None:
+            return plan_epoch(self._lengths, self.spec, epoch)
+        rows = np.asarray(self._epoch_rows(epoch), dtype=np.int64)
+        plan = plan_epoch(self._lengths[rows], self.spec, epoch)
+        return [[[tuple(int(rows[i]) for i in row) for row in batch] for batch in step] for step in plan]
 
     @property
     def epoch(self) -> int:
@@ -447,14 +460,15 @@ class DistributedBatchSampler:
 
     @property
     def dropped(self) -> int:
-        """Samples of the dataset left out of the current epoch (see the tail rule in the module docstring)."""
+        """Samples of the epoch's draw left out of it (see the tail rule in the module docstring)."""
         used = sum(len(row) for step in self._plan for batch in step for row in batch)
-        return len(self._lengths) - used
+        drawn = len(self._lengths) if self._epoch_rows is None else len(self._epoch_rows(self._epoch))
+        return drawn - used
 
     def set_epoch(self, epoch: int) -> None:
         """Load ``epoch``'s plan (recomputed only when the epoch changes) and rewind to its start."""
         if epoch != self._epoch:
-            self._plan = plan_epoch(self._lengths, self.spec, epoch)
+            self._plan = self._plan_of(epoch)
             self._epoch = epoch
         self._position = 0
 
@@ -476,7 +490,7 @@ class DistributedBatchSampler:
 
     def epoch_length(self, epoch: int) -> int:
         """Micro-batches per rank in ``epoch`` (token_budget and packed plans vary a little by epoch)."""
-        return len(self._plan) if epoch == self._epoch else len(plan_epoch(self._lengths, self.spec, epoch))
+        return len(self._plan) if epoch == self._epoch else len(self._plan_of(epoch))
 
     def state_dict(self) -> dict:
         """``{"epoch": int, "position": int}``: enough to resume mid-epoch."""

@@ -63,7 +63,7 @@ def resolve_source(path: str, key: str) -> Source:
             ``/`` or a data-file ending) but does not exist. Each names ``key`` and the fix.
     """
     local = os.path.expanduser(path)
-    if any(char in path for char in "*?["):
+    if any(char in path for char in "*?[") and not os.path.exists(local):  # rows[v2].jsonl may be a file
         return _resolve_glob(path, key)
     if os.path.isfile(local):
         _check_type(key, path, Path(path).suffix.lower())

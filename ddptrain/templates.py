@@ -134,38 +134,77 @@ Render = Callable[[list[dict[str, str]], bool], str]
 """``render(messages, add_generation_prompt)``: a chat template applied to messages, as text."""
 
 
-def render_chat(messages: list[dict[str, str]], render: Render) -> tuple[str, list[tuple[int, int]]]:
+def render_chat(
+    messages: list[dict[str, str]], render: Render, end_of_turn: str | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """The whole conversation as the chat template writes it, and the character spans to train on.
 
-    A reply's span runs from where the template's generation prompt ends (the conversation so far
-    rendered with ``add_generation_prompt``) to the end of the conversation rendered through that
-    reply, trailing whitespace excluded: the reply and the template's end-of-turn token.
+    Most templates only append as a conversation grows. Then a reply's span runs from where the
+    template's generation prompt ends (the conversation so far rendered with ``add_generation_prompt``)
+    to the end of the conversation rendered through that reply, trailing whitespace excluded: the
+    reply and the template's end-of-turn token. A reply that opens the conversation starts where its
+    text does (nothing before it is trained on, not even a default system prompt).
+
+    Some templates rewrite earlier turns as the conversation grows (Mistral v0.3 puts the system
+    message before the last user message; Qwen3 keeps reasoning only in the last turn). For those the
+    user and assistant texts are found in the whole rendering in order, and a reply's span is its
+    text plus ``end_of_turn`` (the tokenizer's EOS) where the template writes it right after.
 
     Raises:
-        RowError: the template rejects the conversation (e.g. roles that do not alternate), or it does
-            not render the conversation as a growing prefix (it rewrites earlier turns), so the spans
-            of the replies cannot be found in the whole.
+        RowError: the template rejects the conversation (e.g. roles that do not alternate), or a reply's
+            text cannot be found in the rendering.
     """
     try:
         full = render(messages, False)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = render(messages[:i], True) if i else ""
-            through = render(messages[: i + 1], False)
-            if not (through.startswith(before) and full.startswith(through)):
-                raise RowError(
-                    f"the chat template rewrites earlier turns when reply {i} is added, so its reply cannot be "
-                    "located in the whole conversation: set data.chat_template to a template that only appends "
-                    "(or data.chat_template=chatml)"
-                )
-            spans.append((len(before), len(through.rstrip())))
+        spans = _prefix_spans(messages, render, full)
     except RowError:
         raise
     except Exception as err:  # jinja's TemplateError, or raise_exception() inside the template
         raise RowError(f"the chat template refused this conversation: {err}") from None
-    return full, spans
+    return full, spans if spans is not None else _spans_in_order(messages, full, end_of_turn)
+
+
+def _prefix_spans(messages: list[dict[str, str]], render: Render, full: str) -> list[tuple[int, int]] | None:
+    """Reply spans of a template that only appends; None when it rewrites an earlier turn."""
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        through = render(messages[: i + 1], False)
+        if i == 0:
+            start = through.find(message["content"].strip())
+            if start < 0:
+                return None
+        else:
+            before = render(messages[:i], True)
+            if not through.startswith(before):
+                return None
+            start = len(before)
+        if not full.startswith(through):
+            return None
+        spans.append((start, len(through.rstrip())))
+    return spans
+
+
+def _spans_in_order(messages: list[dict[str, str]], full: str, end_of_turn: str | None) -> list[tuple[int, int]]:
+    spans, position = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] == "system":  # some templates move it; user and assistant turns keep their order
+            continue
+        text = message["content"].strip()
+        start = full.find(text, position)
+        if start < 0:
+            raise RowError(
+                f"message {i} ({message['role']}) is not in the chat template's rendering of the conversation, so "
+                "its place cannot be found: set data.chat_template to a template that writes every message "
+                "(or data.chat_template=chatml)"
+            )
+        position = start + len(text)
+        if message["role"] == "assistant":
+            if end_of_turn and full.startswith(end_of_turn, position):
+                position += len(end_of_turn)
+            spans.append((start, position))
+    return spans
 
 
 def format_text(row: Mapping[str, Any], text_field: str = "text") -> str:

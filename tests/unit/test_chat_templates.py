@@ -34,6 +34,25 @@ MISTRAL = (
     "{%- else %}{{ '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
     "{%- elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"
 )
+# Llama 3.1's shape: a system header (with dates) in every conversation, even without a system message.
+LLAMA31 = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set system = '' %}{% set loop_messages = messages %}"
+    "{% endif %}{{ '<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+    "Today Date: 26 Jul 2024\n\n' + system + '<|eot_id|>' }}{% for message in loop_messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# Mistral v0.3's shape: the system message goes in front of the *last* user message, so a growing
+# conversation rewrites earlier turns (and a conversation that ends with a reply loses it).
+MISTRAL_V3 = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\n\n' + message['content']"
+    " + '[/INST]' }}{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"
+)
 
 SYSTEM = {"role": "system", "content": "You answer in one line."}
 TURNS = [
@@ -42,7 +61,8 @@ TURNS = [
     {"role": "user", "content": "And an even one?"},
     {"role": "assistant", "content": "Two, the only even prime."},
 ]
-CONVERSATIONS = [TURNS, [SYSTEM, *TURNS], [SYSTEM, *TURNS[:2]]]
+OPENER = {"role": "assistant", "content": "Ask me about primes."}
+CONVERSATIONS = [TURNS, [SYSTEM, *TURNS], [SYSTEM, *TURNS[:2]], [OPENER, *TURNS], [SYSTEM, OPENER, *TURNS[:2]]]
 
 
 def with_template(template: str, bos: str, eos: str, special: list[str]):
@@ -59,10 +79,12 @@ def family(name: str):
         if not QWEN2_TOKENIZER.is_dir():
             pytest.skip("needs ../shared/data/tokenizers/qwen2")
         return build_tokenizer(compose_config([f"model.tokenizer={QWEN2_TOKENIZER}"]).model), "{}<|im_end|>"
-    if name == "llama3":
-        special = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-        return with_template(LLAMA3, "<|begin_of_text|>", "<|end_of_text|>", special), "{}<|eot_id|>"
-    return with_template(MISTRAL, "<s>", "</s>", ["[INST]", "[/INST]"]), " {}</s>"
+    llama_special = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    if name in ("llama3", "llama3.1"):
+        template = LLAMA3 if name == "llama3" else LLAMA31
+        return with_template(template, "<|begin_of_text|>", "<|eot_id|>", llama_special), "{}<|eot_id|>"
+    template = MISTRAL if name == "mistral" else MISTRAL_V3
+    return with_template(template, "<s>", "</s>", ["[INST]", "[/INST]"]), " {}</s>"
 
 
 def target_runs(ids: list[int], labels: list[int], tokenizer) -> list[str]:
@@ -79,14 +101,18 @@ def target_runs(ids: list[int], labels: list[int], tokenizer) -> list[str]:
 
 
 def encode_file(tmp_path: Path, cache: Path, tokenizer, rows: list[dict], **settings):
+    """Tokenize ``rows`` from ``tmp_path/rows.jsonl``, written once: a second call with the same rows reads the
+    same unchanged file, so only the settings can tell the cache apart."""
     path = tmp_path / "rows.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
     cfg = DataConfig(path=str(path), cache_dir=str(cache), max_length=4096, **settings)
     return tokenize_file(str(path), cfg, tokenizer, None)
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param("qwen2", marks=requires_shared), "llama3", "mistral"], ids=["qwen2", "llama3", "mistral"]
+    "name", [pytest.param("qwen2", marks=requires_shared), "llama3", "llama3.1", "mistral", "mistral-v0.3"]
 )
 def test_training_ids_are_the_templates_and_only_assistant_replies_are_trained(name, tmp_path, datasets_cache):
     tokenizer, reply_end = family(name)
@@ -212,3 +238,15 @@ def test_plain_text_packs_and_trains_with_every_token_a_target(tmp_path) -> None
         first_of_sample = batch["position_ids"] == 0
         assert bool(((batch["labels"] == batch["input_ids"]) | first_of_sample).all())
         assert int((batch["labels"] == IGNORE_INDEX).sum()) == int(first_of_sample.sum())
+
+
+def test_changing_which_field_holds_the_turns_does_not_reuse_the_tokenized_cache(tmp_path, datasets_cache):
+    tokenizer, _ = family("llama3")
+    short = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]
+    long = [{"from": "human", "value": "Hi there, how are you?"}, {"from": "gpt", "value": "Very well, thanks."}]
+    rows = [{"conversations": short, "dialog": long}]
+    first, _ = encode_file(tmp_path, datasets_cache, tokenizer, rows, template=Template.sharegpt)
+    second, _ = encode_file(
+        tmp_path, datasets_cache, tokenizer, rows, template=Template.sharegpt, conversations_field="dialog"
+    )
+    assert len(second[0]["input_ids"]) > len(first[0]["input_ids"])

@@ -293,3 +293,16 @@ def test_a_glob_a_hub_layout_folder_and_a_csv_file_each_train_two_ranks(tmp_path
     train = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in train] == [5, 10]
     assert all(r["tokens"] > 0 for r in train)
+
+
+def test_csv_columns_are_read_as_text_whatever_they_look_like(tmp_path, datasets_cache) -> None:
+    """Digits stay text, empty cells stay empty strings, and a column empty for the first 10k rows loads."""
+    path = tmp_path / "rows.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["instruction", "input", "output"])
+        writer.writerows([f"Add {i} and 1.", "", str(i + 1)] for i in range(12_000))
+        writer.writerow(["Say hi.", "politely", "hi"])
+    rows = load_rows(str(path), str(datasets_cache))
+    assert rows[0] == {"instruction": "Add 0 and 1.", "input": "", "output": "1"}
+    assert rows[12_000] == {"instruction": "Say hi.", "input": "politely", "output": "hi"}
