@@ -15,7 +15,7 @@ torch is imported lazily for those cases alone.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
@@ -260,6 +260,9 @@ class OptimConfig:
     """Final LR as a fraction of optim.lr (cosine and linear)."""
     grad_accum_steps: int = 1
     """Micro-steps per optimizer step; gradients sync once per optimizer step."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step over all ranks; when set, optim.grad_accum_steps is derived from it, the
+    number of processes and data.micro_batch_size (random and length_grouped batching only)."""
     max_grad_norm: Optional[float] = 1.0
     """Clip the global gradient norm; null = no clipping."""
 
@@ -315,7 +318,7 @@ def validate(cfg: RunConfig) -> None:
         + _check_chat_template(cfg.data)
         + _check_sources(cfg.data)
         + _check_parallel(cfg.parallel, cfg.trainer, cfg.optim.grad_accum_steps)
-        + _check_optim(cfg.optim)
+        + _check_optim(cfg.optim, cfg.data)
         + _check_trainer(cfg.trainer)
     )
     if problems:
@@ -517,8 +520,15 @@ def _check_parallel(p: ParallelConfig, t: TrainerConfig, grad_accum_steps: int) 
     return problems
 
 
-def _check_optim(o: OptimConfig) -> list[str]:
-    problems = _positive({"optim.grad_accum_steps": o.grad_accum_steps})
+def _check_optim(o: OptimConfig, d: DataConfig) -> list[str]:
+    problems = _positive({"optim.grad_accum_steps": o.grad_accum_steps, "optim.global_batch_size": o.global_batch_size})
+    if o.global_batch_size is not None and d.batching in (Batching.token_budget, Batching.packed):
+        problems.append(
+            f"optim.global_batch_size={o.global_batch_size} counts samples, but data.batching={d.batching.value} "
+            "puts a varying number of samples in each micro-batch: set optim.global_batch_size=null and use "
+            "optim.grad_accum_steps (a step then holds up to processes × grad_accum_steps × "
+            "data.max_tokens_per_batch tokens), or data.batching=length_grouped."
+        )
     if o.name != "adamw":
         problems.append(f"optim.name={o.name} is not available: use optim=adamw.")
     if o.lr <= 0:
@@ -598,6 +608,44 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     assert isinstance(run, RunConfig), type(run)
     validate(run)
     return run
+
+
+def resolve_global_batch_size(cfg: RunConfig, world_size: int) -> RunConfig:
+    """The run config with optim.grad_accum_steps derived from optim.global_batch_size (when it is set).
+
+    Args:
+        cfg: a validated run config.
+        world_size: the number of processes of the job (all nodes).
+
+    Raises:
+        ConfigError: optim.grad_accum_steps set as well, or a global batch that the processes and
+            data.micro_batch_size do not divide (naming all three and the nearest values that work).
+    """
+    o, d = cfg.optim, cfg.data
+    if o.global_batch_size is None:
+        return cfg
+    per_step = world_size * d.micro_batch_size
+    if o.grad_accum_steps != 1:
+        raise ConfigError(
+            [
+                f"optim.global_batch_size={o.global_batch_size} and optim.grad_accum_steps={o.grad_accum_steps} are "
+                "both set: the first derives the second. Keep one of them."
+            ]
+        )
+    if o.global_batch_size % per_step:
+        lower = max(per_step, o.global_batch_size // per_step * per_step)
+        raise ConfigError(
+            [
+                f"optim.global_batch_size={o.global_batch_size} is not a multiple of {world_size} processes × "
+                f"data.micro_batch_size={d.micro_batch_size} = {per_step} samples per micro-step: set "
+                f"optim.global_batch_size={lower} or {lower + per_step}, or change data.micro_batch_size or the "
+                "number of processes (parallel.nproc_per_node)."
+            ]
+        )
+    derived = replace(o, grad_accum_steps=o.global_batch_size // per_step)
+    resolved = replace(cfg, optim=derived)
+    validate(resolved)  # the derived accumulation meets the checks a given one does (parallel.static_graph)
+    return resolved
 
 
 def to_yaml(cfg: RunConfig) -> str:

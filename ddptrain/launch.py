@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddptrain import signals
-from ddptrain.config import RunConfig, to_yaml
+from ddptrain.config import ConfigError, RunConfig, resolve_global_batch_size, to_yaml
 from ddptrain.started import Start
 
 if TYPE_CHECKING:  # metrics loads torch: only once the config is valid (see `run`)
@@ -92,11 +92,17 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
     start = Start.from_environ()
     if start.elastic:  # before torch loads: a wrong process count fails at once
         _check_torchrun_size(cfg.parallel.nproc_per_node, start.local_world_size)
+    cfg = _with_global_batch_size(cfg, start.world_size if start.elastic else cfg.parallel.nproc_per_node or 1)
     from ddptrain.metrics import FORMAT, build_console
 
     # This process's log until the worker sets up its own (the launcher's lines, start-up warnings).
     logging.basicConfig(level=logging.INFO, format=FORMAT)
     console = build_console(start.is_rank_zero)
+    if cfg.optim.global_batch_size is not None:
+        console.say(
+            f"ddptrain: optim.global_batch_size={cfg.optim.global_batch_size} gives "
+            f"optim.grad_accum_steps={cfg.optim.grad_accum_steps}"
+        )
     run_dir = hydra_dir
     if start.elastic:
         run_dir = _torchrun_run_dir(hydra_dir, Path(cfg.trainer.output_dir), start, console)
@@ -107,6 +113,14 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
         result = _self_launch(cfg, run_dir, console)
     _exit_if_stopped(result, run_dir, start, console)
     return result.get("loss") if result else None
+
+
+def _with_global_batch_size(cfg: RunConfig, world_size: int) -> RunConfig:
+    """optim.grad_accum_steps from optim.global_batch_size, once the number of processes is known."""
+    try:
+        return resolve_global_batch_size(cfg, world_size)
+    except ConfigError as err:
+        sys.exit(f"ddptrain: invalid configuration:\n{err}")
 
 
 def _check_torchrun_size(nproc_per_node: int | None, started: int) -> None:

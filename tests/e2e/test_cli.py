@@ -246,3 +246,15 @@ def test_assert_no_process_left_sees_processes_of_the_run(tmp_path) -> None:
             proc.kill()
             proc.wait()
     assert processes_mentioning(marker) == []
+
+
+def test_global_batch_size_sets_the_accumulation_of_a_two_rank_run(tmp_path) -> None:
+    """ddp2 × micro-batch 4 × 2 micro-steps = 16 samples per optimizer step."""
+    overrides = ["optim.global_batch_size=16", "data.micro_batch_size=4", "trainer.max_steps=2"]
+    args = [*overrides, "trainer.progress_bar=false", "trainer.save_final=false", f"trainer.output_dir={tmp_path}"]
+    result = run_ddptrain(args, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "optim.global_batch_size=16 gives optim.grad_accum_steps=2" in result.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    assert "grad_accum_steps: 2" in (run_dir / "config.yaml").read_text()
+    assert ", 2 per optimizer step" in (run_dir / "train.log").read_text()

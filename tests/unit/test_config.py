@@ -265,3 +265,36 @@ def test_flash_attention_reports_both_problems_at_once(monkeypatch) -> None:
         f"{FLASH} needs fp16/bf16 activations",
         f"{FLASH} needs a CUDA device",
     ]
+
+
+# ----------------------------------------------------------------------------- optim.global_batch_size
+
+
+def test_global_batch_size_derives_the_accumulation_from_processes_and_micro_batch() -> None:
+    cfg = compose_config(["optim.global_batch_size=48", "data.micro_batch_size=4"])
+    assert config.resolve_global_batch_size(cfg, world_size=2).optim.grad_accum_steps == 6
+    assert config.resolve_global_batch_size(cfg, world_size=4).optim.grad_accum_steps == 3
+    assert cfg.optim.grad_accum_steps == 1, "the composed config is left as it was"
+    unset = compose_config([])
+    assert config.resolve_global_batch_size(unset, world_size=2) is unset
+
+
+def test_a_global_batch_that_does_not_divide_names_all_three_keys_and_the_nearest_values() -> None:
+    cfg = compose_config(["optim.global_batch_size=20", "data.micro_batch_size=4"])
+    with pytest.raises(ConfigError) as err:
+        config.resolve_global_batch_size(cfg, world_size=2)
+    message = str(err.value)
+    for key in ("optim.global_batch_size=20", "data.micro_batch_size=4", "parallel.nproc_per_node", "= 8 samples"):
+        assert key in message
+    assert "optim.global_batch_size=16 or 24" in message
+
+
+def test_a_global_batch_is_refused_with_accumulation_given_too_token_batching_or_a_static_graph() -> None:
+    both = compose_config(["optim.global_batch_size=16", "optim.grad_accum_steps=2", "data.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match=r"are both set: the first derives the second"):
+        config.resolve_global_batch_size(both, world_size=2)
+    with pytest.raises(ConfigError, match=r"optim\.global_batch_size=16 counts samples, but data\.batching=packed"):
+        compose_config(["optim.global_batch_size=16", "data.batching=packed"])
+    static = compose_config(["optim.global_batch_size=16", "data.micro_batch_size=4", "parallel.static_graph=true"])
+    with pytest.raises(ConfigError, match=r"parallel\.static_graph=true with optim\.grad_accum_steps=2"):
+        config.resolve_global_batch_size(static, world_size=2)
