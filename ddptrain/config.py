@@ -15,6 +15,7 @@ torch is imported lazily for those cases alone.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -588,14 +589,40 @@ def _asset(name: str) -> str:
     return str(path)
 
 
+def swept_overrides(task_overrides: list[str], argv: list[str] | None = None) -> str:
+    """``${swept:${hydra.overrides.task}}``: a sweep job's folder name from the keys the command line sweeps.
+
+    ``key=value`` of each swept key, sorted, joined by commas; overrides that every job shares
+    (``trainer.progress_bar=false``) would only lengthen every name. A ``/`` in a value becomes ``_``, so a
+    swept path does not nest folders.
+
+    Args:
+        task_overrides: this job's overrides (``hydra.overrides.task``).
+        argv: the command line; None = ``sys.argv`` (Hydra's launchers resolve folder names in the process
+            that parsed it).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = [a for a in (sys.argv if argv is None else argv)[1:] if not a.startswith("-")]
+    try:
+        swept = {o.key_or_group for o in OverridesParser.create().parse_overrides(args) if o.is_sweep_override()}
+    except Exception:  # a command line Hydra itself will reject: it says why
+        return ",".join(sorted(task_overrides))
+    named = [o for o in task_overrides if o.split("=", 1)[0].lstrip("+~") in swept]
+    return ",".join(sorted(named)).replace("/", "_")
+
+
 def register_configs() -> None:
-    """Register the root schema (``run_schema``, first in conf/train.yaml's defaults) and the ``asset`` resolver.
+    """Register the root schema (``run_schema``, first in conf/train.yaml's defaults) and the ``asset`` and
+    ``swept`` resolvers.
 
     The group fields of RunConfig are typed, so every group's YAML is checked against its
     dataclass when Hydra merges it. Idempotent.
     """
     if not OmegaConf.has_resolver("asset"):
         OmegaConf.register_new_resolver("asset", _asset)
+    if not OmegaConf.has_resolver("swept"):
+        OmegaConf.register_new_resolver("swept", swept_overrides)
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
 

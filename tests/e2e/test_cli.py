@@ -135,6 +135,7 @@ def test_multirun_gives_each_job_its_own_folder_and_group(tmp_path) -> None:
     (sweep,) = run_dirs(tmp_path / "multirun")
     jobs = run_dirs(sweep)
     assert [j.name.split("_")[0] for j in jobs] == ["0", "1"]
+    assert [j.name for j in jobs] == ["0_optim.grad_accum_steps=1", "1_optim.grad_accum_steps=2"], "swept keys only"
     for job, accum in zip(jobs, (1, 2)):
         assert read_metrics(job)[-1]["step"] == 3, "each job trains its own 3 steps"
         assert f"grad_accum_steps: {accum}" in (job / "config.yaml").read_text()

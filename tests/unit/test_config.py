@@ -298,3 +298,11 @@ def test_a_global_batch_is_refused_with_accumulation_given_too_token_batching_or
     static = compose_config(["optim.global_batch_size=16", "data.micro_batch_size=4", "parallel.static_graph=true"])
     with pytest.raises(ConfigError, match=r"parallel\.static_graph=true with optim\.grad_accum_steps=2"):
         config.resolve_global_batch_size(static, world_size=2)
+
+
+def test_sweep_job_folders_are_named_by_the_swept_keys_only() -> None:
+    argv = ["ddptrain", "-m", "optim.lr=1e-3,2e-3", "trainer.progress_bar=false", "data.path=/d/a.jsonl,/d/b.jsonl"]
+    job = ["trainer.progress_bar=false", "optim.lr=0.002", "data.path=/d/b.jsonl"]
+    assert config.swept_overrides(job, argv) == "data.path=_d_b.jsonl,optim.lr=0.002"
+    assert config.swept_overrides(["optim.lr=0.1"], ["ddptrain", "-m", "optim.lr=0.1"]) == ""
+    assert config.swept_overrides(["a=1"], ["ddptrain", "-m", "range(1,3)=x"]) == "a=1", "unparsable: every override"
