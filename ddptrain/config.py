@@ -396,6 +396,7 @@ def _check_data(d: DataConfig) -> list[str]:
             "data.max_tokens_per_batch": d.max_tokens_per_batch,
             "data.pad_to_multiple_of": d.pad_to_multiple_of,
             "data.max_rows": d.max_rows,
+            "data.num_proc": d.num_proc,
         }
     )
     if not 0.0 <= d.eval_fraction < 1.0:
@@ -426,11 +427,9 @@ def _check_chat_template(d: DataConfig) -> list[str]:
 
 def _check_sources(d: DataConfig) -> list[str]:
     """data.sources: instead of data.path, weights on all sources or none."""
-    problems = _positive({"data.num_proc": d.num_proc})
     if not d.sources:
-        return problems + (
-            [] if d.path is not None else ["data.path is required: data.path=<file, glob, folder or hub id>."]
-        )
+        return [] if d.path is not None else ["data.path is required: data.path=<file, glob, folder or hub id>."]
+    problems = []
     if d.path is not None:
         problems.append(
             f"data.sources and data.path={d.path} are both set: a mixture reads only data.sources. Set "
@@ -450,22 +449,26 @@ def _check_sources(d: DataConfig) -> list[str]:
             f"data.sources: weights {weights} are set on some sources only: give every source a weight (its share "
             "of the mixture), or none (every row of every source, once)."
         )
-    for k, source in enumerate(d.sources):
-        try:
-            files_only = not resolve_source(source.path, f"data.sources[{k}].path").has_splits
-        except ValueError as err:
-            problems.append(str(err))
-            files_only = False
-        if files_only and (source.split not in (None, "train") or source.subset is not None):
-            problems.append(
-                f"data.sources[{k}] sets split={source.split} / subset={source.subset}, which have no effect: "
-                f"{source.path} names files, read whole. Remove them, or point the source at a folder or Hub dataset."
-            )
-        if source.weight is not None and source.weight <= 0:
-            problems.append(f"data.sources[{k}].weight={source.weight} must be positive.")
-        if source.eval_fraction is not None and not 0.0 <= source.eval_fraction < 1.0:
-            problems.append(f"data.sources[{k}].eval_fraction={source.eval_fraction} must be in [0, 1).")
-        problems += _positive({f"data.sources[{k}].max_rows": source.max_rows})
+    return problems + [problem for k, source in enumerate(d.sources) for problem in _check_source(k, source)]
+
+
+def _check_source(k: int, source: SourceConfig) -> list[str]:
+    """One entry of data.sources: a path that can be read, settings in range, split/subset only where they act."""
+    key = f"data.sources[{k}]"
+    problems = _positive({f"{key}.max_rows": source.max_rows})
+    if source.weight is not None and source.weight <= 0:
+        problems.append(f"{key}.weight={source.weight} must be positive.")
+    if source.eval_fraction is not None and not 0.0 <= source.eval_fraction < 1.0:
+        problems.append(f"{key}.eval_fraction={source.eval_fraction} must be in [0, 1).")
+    try:
+        files_only = not resolve_source(source.path, f"{key}.path").has_splits
+    except ValueError as err:
+        return [*problems, str(err)]
+    if files_only and (source.split not in (None, "train") or source.subset is not None):
+        problems.append(
+            f"{key} sets split={source.split} / subset={source.subset}, which have no effect: "
+            f"{source.path} names files, read whole. Remove them, or point the source at a folder or Hub dataset."
+        )
     return problems
 
 

@@ -393,12 +393,13 @@ def _jsonl_row_lines(files: Sequence[str]) -> Iterator[str]:
             yield from (f"{file}:{line_no}" for line_no, line in enumerate(f, start=1) if line.strip())
 
 
-def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, encoder: RowEncoder) -> str:
     """Cache key: the rows read, the tokenizer's vocabulary and every encoding setting.
 
     ``raw._fingerprint`` stands for the rows: datasets derives it from the data files it read (their paths
     and modification times, every file of a glob or folder), so an edited file is tokenized again.
     """
+    tokenizer = encoder.tokenizer
     tok = getattr(tokenizer, "backend_tokenizer", None)
     vocab_id = tok.to_str() if tok is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     settings = [
@@ -418,7 +419,7 @@ def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, tokenizer: PreTrainedTo
         cfg.role_field,
         cfg.content_field,
         cfg.text_field,
-        str(resolve_chat_template(cfg, tokenizer)),
+        str(encoder.chat_template),
     ]
     return hashlib.sha256("\x00".join(settings).encode()).hexdigest()[:32]
 
@@ -437,7 +438,7 @@ def tokenize_file(
         with_indices=True,
         fn_kwargs={"source": path, "key": key},
         remove_columns=raw.column_names,
-        new_fingerprint=_fingerprint(raw, cfg, tokenizer),
+        new_fingerprint=_fingerprint(raw, cfg, encoder),
         desc=f"tokenizing {Path(path).name}",
         num_proc=cfg.num_proc if cfg.num_proc and cfg.num_proc > 1 and len(raw) > cfg.num_proc else None,
     )

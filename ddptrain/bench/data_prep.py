@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddptrain.config import DataConfig, SourceConfig
+from ddptrain.config import DataConfig, ModelConfig, SourceConfig
 from ddptrain.data import build_datasets
 from ddptrain.model import build_tokenizer
 
@@ -63,8 +63,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-proc", type=int, nargs="+", default=[1, 2], help="data.num_proc values to time")
     parser.add_argument("--max-length", type=int, default=2048)
     args = parser.parse_args(argv)
-
-    from ddptrain.config import ModelConfig
 
     tokenizer = build_tokenizer(ModelConfig(tokenizer=args.tokenizer))
     results = []
