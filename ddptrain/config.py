@@ -241,6 +241,11 @@ class ParallelConfig:
     """DDP's static-graph mode; refused with optim.grad_accum_steps > 1 (PyTorch's reducer asserts under no_sync)."""
     gradient_as_bucket_view: bool = True
     """Gradients alias DDP's all-reduce buckets: saves one gradient copy of memory."""
+    broadcast_buffers: bool = False
+    """true: DDP sends rank 0's buffers to every rank before the forward that syncs gradients, a blocking
+    collective per optimizer step where every rank waits for the slowest.
+    Decoder LMs hold only constant buffers (rotary frequencies), proven equal on every rank at start-up;
+    true for models whose buffers change while training (BatchNorm statistics)."""
     comm_hook: CommHook = CommHook.none
     """Compress gradients before all-reduce (bf16_compress needs nccl)."""
     powersgd_rank: int = 1
@@ -269,6 +274,65 @@ class OptimConfig:
 
 
 @dataclass
+class DiagnoseConfig:
+    """Thresholds of the end-of-run verdict (ddptrain.diagnose); each is a share of the measured step time
+    unless it says otherwise. The verdict is ``memory`` when that fires (a run about to fail comes first),
+    else the largest loss of time that crosses its threshold, else ``compute`` (docs/diagnostics.md)."""
+
+    data_share: float = 0.10
+    """Verdict ``data`` when waiting on the loader takes at least this share of a step."""
+    comm_share: float = 0.15
+    """Verdict ``communication`` when all-reduce time left exposed after backward takes at least this share."""
+    rank_time_imbalance: float = 1.15
+    """Verdict ``imbalance`` or ``straggler`` when the slowest rank's busy time / the mean is at least this."""
+    planned_share: float = 0.5
+    """``imbalance`` (the batch plan) rather than ``straggler`` (the rank itself) when the planned
+    rank_imbalance accounts for at least this share of the measured excess."""
+    memory_fraction: float = 0.92
+    """Verdict ``memory`` when a rank's reserved memory reaches this fraction of the device, or the
+    allocator had to retry (free its cache) to satisfy a request."""
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    log_dir: str = "tensorboard"
+    """Event files go here, relative to the run folder."""
+
+
+@dataclass
+class WandbLoggerConfig:
+    project: str = "ddptrain"
+    """The W&B project the run goes to."""
+    entity: Optional[str] = None
+    """The W&B team or user; null = your default entity."""
+    name: Optional[str] = None
+    """The W&B run name; null = the run folder's name."""
+    mode: Optional[str] = None
+    """online | offline | disabled; null = W&B's own default (WANDB_MODE, else online)."""
+    tags: list[str] = field(default_factory=list)
+    """Tags on the W&B run."""
+
+
+@dataclass
+class MlflowLoggerConfig:
+    tracking_uri: Optional[str] = None
+    """null = a local store inside the run folder (<run>/mlruns); or a server such as http://host:5000."""
+    experiment_name: str = "ddptrain"
+    """The MLflow experiment the run is filed under (created when missing)."""
+    run_name: Optional[str] = None
+    """null = the run folder's name."""
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.jsonl (always written): logger=tensorboard, logger=[tensorboard,wandb]."""
+
+    tensorboard: Optional[TensorBoardLoggerConfig] = None
+    wandb: Optional[WandbLoggerConfig] = None
+    mlflow: Optional[MlflowLoggerConfig] = None
+
+
+@dataclass
 class TrainerConfig:
     max_steps: Optional[int] = None
     """Optimizer steps to run; null = run trainer.epochs full epochs."""
@@ -293,6 +357,19 @@ class TrainerConfig:
     progress_bar: bool = True
     compile: bool = False
     """torch.compile the model (first steps are slow while it compiles)."""
+    timing: bool = True
+    """Measure where each step's time goes (data, compute, exposed communication, optimizer), FLOP/s and
+    memory per rank, and write the diagnosis (report.md) at the end. false: tokens/s and loss only."""
+    peak_tflops: Optional[float] = None
+    """The device's dense peak TFLOP/s for trainer.precision (for mfu); null = looked up from the GPU's name.
+    On CPU mfu stays null unless this is set."""
+    profile_steps: Optional[list[int]] = None
+    """[START, END]: a torch.profiler trace of optimizer steps START..END (1-based, inclusive) under
+    <run>/profile/; null = no profiling."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """The global ranks that write a profiler trace when trainer.profile_steps is set."""
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
+    """Thresholds of the end-of-run verdict (report.md; docs/diagnostics.md)."""
 
 
 @dataclass
@@ -302,6 +379,7 @@ class RunConfig:
     parallel: ParallelConfig = MISSING
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = MISSING
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -321,6 +399,7 @@ def validate(cfg: RunConfig) -> None:
         + _check_parallel(cfg.parallel, cfg.trainer, cfg.optim.grad_accum_steps)
         + _check_optim(cfg.optim, cfg.data)
         + _check_trainer(cfg.trainer)
+        + _check_loggers(cfg.logger)
     )
     if problems:
         raise ConfigError(problems)
@@ -558,6 +637,56 @@ def _check_trainer(t: TrainerConfig) -> list[str]:
     for key in ("eval_every_n_steps", "save_every_n_steps"):
         if getattr(t, key) < 0:
             problems.append(f"trainer.{key}={getattr(t, key)} must be 0 (only at the end) or more.")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        problems.append(f"trainer.peak_tflops={t.peak_tflops} must be positive, or null to look it up.")
+    return problems + _check_profile(t) + _check_diagnose(t.diagnose)
+
+
+def _check_diagnose(d: DiagnoseConfig) -> list[str]:
+    problems = [
+        f"trainer.diagnose.{key}={getattr(d, key)} must be in (0, 1]."
+        for key in ("data_share", "comm_share", "planned_share", "memory_fraction")
+        if not 0 < getattr(d, key) <= 1
+    ]
+    if d.rank_time_imbalance <= 1:
+        problems.append(
+            f"trainer.diagnose.rank_time_imbalance={d.rank_time_imbalance} must be above 1 "
+            "(slowest rank's busy time / the mean; 1.15 = 15% slower)."
+        )
+    return problems
+
+
+def _check_profile(t: TrainerConfig) -> list[str]:
+    if t.profile_steps is None:
+        return []
+    steps, problems = list(t.profile_steps), []
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
+        problems.append(f"trainer.profile_steps={steps} must be [START, END] with 1 <= START <= END, e.g. [3,5].")
+    elif t.max_steps is not None and steps[0] > t.max_steps:
+        problems.append(
+            f"trainer.profile_steps={steps} starts after trainer.max_steps={t.max_steps}: nothing would be traced."
+        )
+    if any(rank < 0 for rank in t.profile_ranks):
+        problems.append(f"trainer.profile_ranks={list(t.profile_ranks)} must list global ranks (0 or more).")
+    return problems
+
+
+# The package each logger needs, and the extra that installs it.
+_LOGGER_PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+}
+
+
+def _check_loggers(cfg: LoggerConfig) -> list[str]:
+    """Each chosen logger's package is importable: a missing one fails here, not in the middle of training."""
+    import importlib.util
+
+    problems = []
+    for name, (module, extra) in _LOGGER_PACKAGES.items():
+        if getattr(cfg, name) is not None and importlib.util.find_spec(module) is None:
+            problems.append(f"logger={name} needs the {module} package: pip install 'ddptrain[{extra}]'.")
     return problems
 
 
@@ -676,6 +805,11 @@ def resolve_global_batch_size(cfg: RunConfig, world_size: int) -> RunConfig:
     resolved = replace(cfg, optim=derived)
     validate(resolved)  # the derived accumulation meets the checks a given one does (parallel.static_graph)
     return resolved
+
+
+def config_as_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain nested dicts (enums as their names): what the loggers record."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ddptrain import parallel, signals
+from ddptrain import hangs, parallel, signals
 from ddptrain.batch_cost import ceil_div, round_up
 from ddptrain.config import Batching, DataConfig, RunConfig, SourceConfig, Template, is_jinja
 from ddptrain.metrics import RANK_ZERO_ONLY
@@ -757,8 +757,10 @@ def build_training_data(
         ValueError: unreadable data, or too little of it for one micro-step (naming the key).
     """
     cfg = run_cfg.data
+    hangs.board.enter("tokenize")  # every rank: local rank 0 tokenizes, the others wait, then read its cache
     with parallel.local_rank_zero_first(env, cfg.prepare_timeout_s, "tokenizing the dataset"):
         data = build_datasets(cfg, tokenizer, seed)
+    hangs.board.enter("plan_batches")  # back under parallel.timeout_s: the plan check below is a collective
     spec = build_batching_spec(cfg, env.world_size, grad_accum_steps, seed)
     sampler = DistributedBatchSampler(data.train["length"], spec, env.rank, data.epoch_rows)
     parallel.check_same_on_all_ranks(

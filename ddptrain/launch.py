@@ -21,6 +21,7 @@ Nothing here imports torch at module level: a bad config fails before torch load
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import logging
@@ -35,12 +36,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddptrain import signals
+from ddptrain import hangs, signals
 from ddptrain.config import ConfigError, RunConfig, resolve_global_batch_size, to_yaml
 from ddptrain.started import Start
 
 if TYPE_CHECKING:  # metrics loads torch: only once the config is valid (see `run`)
     from ddptrain.metrics import Console, NullConsole
+    from ddptrain.parallel import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +265,7 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
             except ChildFailedError as exc:
                 if _killed_by(exc, stop.signal):  # during start-up, before the workers handle signals
                     return {signals.STOPPED_BY: stop.signal.name, signals.STOPPED_AT_STEP: None}
-                raise RuntimeError(_failure_summary(exc)) from None
+                raise RuntimeError(_failure_summary(exc, run_dir / hangs.HANG_DIR, nproc)) from None
     finally:
         os.environ.pop(signals.SELF_LAUNCHED_ENV, None)
         shutil.rmtree(rdzv_dir, ignore_errors=True)
@@ -287,12 +289,18 @@ def _killed_by(exc: Any, signum: int | None) -> bool:
     return signum is not None and all(f.exitcode == -signum for f in exc.failures.values())
 
 
-def _failure_summary(exc: Any) -> str:
+def _failure_summary(exc: Any, hang_dir: Path, nproc: int) -> str:
+    """One line per failed rank; after a collective timeout, or when a rank was killed by a signal (on NCCL the
+    process group's watchdog may end a timed-out rank with SIGABRT), also where every rank was."""
     lines = ["training failed:"]
     for rank, failure in sorted(exc.failures.items()):
         message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
         last_line = (str(message).strip().splitlines() or [""])[-1]
         lines.append(f"  rank {rank} (exit code {failure.exitcode}): {last_line}")
+    timed_out = any(f.get("timed_out") for f in hangs.read_failures(hang_dir).values())
+    if timed_out or any(f.exitcode < 0 for f in exc.failures.values()):
+        lines.append(f"  where each rank was ({hang_dir}):")
+        lines += [f"    {line}" for line in hangs.where_ranks_were(hang_dir, nproc)]
     lines.append("  The traceback of each failed rank is printed above.")
     return "\n".join(lines)
 
@@ -321,23 +329,46 @@ def worker(cfg: RunConfig, run_dir: str, store_port: int | None, start: Start | 
 
 
 def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, start: Start | None) -> dict[str, Any]:
+    import torch
+
     from ddptrain import parallel
     from ddptrain.metrics import build_console, setup_logging
     from ddptrain.trainer import Trainer
 
+    start = start or Start.from_environ()
+    # Before the group forms: NCCL reads its flight recorder's switches when it makes the process group.
+    os.environ.update(hangs.flight_recorder_environment(os.environ, torch.__version__))
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port, start)
+    trainer, status = None, "failed"
     try:
         agreed = Path(parallel.broadcast_object(run_dir))
+        hang_dir = agreed / hangs.HANG_DIR
+        os.environ.update(hangs.flight_recorder_environment(os.environ, torch.__version__, hang_dir))  # read at a dump
         setup_logging(env.rank, agreed)
         console = build_console(env.is_rank_zero)
         console.write_file(agreed / "config.yaml", to_yaml(cfg))
         log.info("rank %d of %d on %s (%s)", env.rank, env.world_size, env.device, env.backend)
-        result = Trainer(cfg, env, agreed).fit()
-        if signals.STOPPED_BY not in result:
-            console.say(f"ddptrain: done. Results in {agreed}")
+        hangs.board.enter("build_model")
+        with _watching_for_hangs(cfg, env, hang_dir, start.restart_count):
+            trainer = Trainer(cfg, env, agreed)
+            result = trainer.fit()
+        status = "stopped" if signals.STOPPED_BY in result else "finished"
         return result
     finally:
         parallel.teardown()
+        if trainer is not None:  # after the group is gone: no rank waits while rank 0 writes the report
+            trainer.close(status)
+        if status == "finished":
+            console.say(f"ddptrain: done. Results in {agreed}")
         # The process exits next: skip the garbage collections of interpreter shutdown, seconds
         # with torch and transformers loaded (measured 2.9 s -> 0.4 s), which delay a stop by signal.
         gc.freeze()
+
+
+def _watching_for_hangs(
+    cfg: RunConfig, env: DistEnv, hang_dir: Path, attempt: int
+) -> contextlib.AbstractContextManager[None]:
+    """``hangs.watch`` with this run's timeouts: ``tokenize`` may last data.prepare_timeout_s, as long as the
+    other ranks wait for local rank 0 to tokenize (``parallel.local_rank_zero_first``)."""
+    limits = {"tokenize": cfg.data.prepare_timeout_s}
+    return hangs.watch(hang_dir, env.rank, env.world_size, cfg.parallel.timeout_s, attempt=attempt, limits=limits)

@@ -62,17 +62,54 @@ def quiet_libraries() -> None:
 
 
 class MetricsLogger:
-    """Appends one JSON object per logged step to ``metrics.jsonl``."""
+    """Appends one JSON object per logged step to ``metrics.jsonl``, and hands it to the chosen loggers.
 
-    def __init__(self, path: Path):
+    Args:
+        path: the ``metrics.jsonl`` file (always written, whatever the loggers).
+        loggers: TensorBoard, W&B, MLflow, ... (``ddptrain.loggers``); each gets every record.
+    """
+
+    def __init__(self, path: Path, loggers: list[Any] | None = None):
         self.path = path
         self.file = path.open("a", buffering=1)
+        self.loggers = loggers or []
 
     def log(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+        plain = {k: _plain(v) for k, v in record.items()}
+        self.file.write(json.dumps(plain) + "\n")
+        for logger in self.loggers:
+            # A tracking server that is down costs a warning, not the training: metrics.jsonl has the record.
+            _tolerate(logger.log_metrics, plain, int(plain["step"]))
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
+        """The end of the run: close metrics.jsonl, write the diagnosis, hand it to the loggers, close them.
+
+        Args:
+            status: finished, stopped (by a signal) or failed: what the loggers record for the run.
+        """
+        if self.file.closed:
+            return
         self.file.close()
+        report = self.write_report()
+        for logger in self.loggers:
+            if report is not None:
+                _tolerate(logger.log_report, report, self.path.parent / "report.md")
+            _tolerate(logger.close, status)  # each one, whatever another did: no W&B or MLflow run left open
+
+    def write_report(self) -> dict[str, Any] | None:
+        """report.md and report.json beside metrics.jsonl, and the short version on the console."""
+        from ddptrain import diagnose
+
+        run_dir = self.path.parent
+        try:
+            report = diagnose.write_report(run_dir, plots=False)
+        except Exception as err:  # the training is done: a report that fails must not fail the run
+            logging.getLogger(__name__).warning(
+                "no run report (%s); retry with: python -m ddptrain.diagnose %s", err, run_dir
+            )
+            return None
+        print(diagnose.console_summary(report), file=sys.stderr)
+        return report
 
 
 class NullMetricsLogger:
@@ -81,12 +118,27 @@ class NullMetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         """Nothing to write: rank 0 logs the (already reduced) record."""
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
         """No file to close."""
 
 
-def build_metrics_logger(is_rank_zero: bool, run_dir: Path) -> MetricsLogger | NullMetricsLogger:
-    return MetricsLogger(run_dir / "metrics.jsonl") if is_rank_zero else NullMetricsLogger()
+def build_metrics_logger(
+    is_rank_zero: bool, run_dir: Path, logger_cfg: Any = None, config: dict[str, Any] | None = None
+) -> MetricsLogger | NullMetricsLogger:
+    """Rank 0's metrics file and loggers (``logger=...``); the other ranks get a logger that does nothing.
+
+    Args:
+        logger_cfg: the ``logger`` group (``config.LoggerConfig``); None = metrics.jsonl only.
+        config: the resolved run config as plain data, for the loggers that record it.
+    """
+    if not is_rank_zero:
+        return NullMetricsLogger()
+    loggers = []
+    if logger_cfg is not None:
+        from ddptrain.loggers import build_loggers
+
+        loggers = build_loggers(logger_cfg, run_dir, config or {})
+    return MetricsLogger(run_dir / "metrics.jsonl", loggers)
 
 
 class Console:
@@ -165,6 +217,14 @@ class Stopwatch:
         return time.perf_counter() - self.start
 
 
+def _tolerate(call: Any, *args: Any) -> None:
+    """At the end of a run, a logger that fails is a warning: the training is done, the other loggers go on."""
+    try:
+        call(*args)
+    except Exception as err:
+        logging.getLogger(__name__).warning("%s failed: %s", getattr(call, "__qualname__", call), err)
+
+
 def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         value = value.item()
@@ -174,6 +234,19 @@ def _plain(value: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- the log window
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step leaves behind (local to this rank until reduced); tensors stay on the device."""
+
+    loss_sum: torch.Tensor  # read only when logging, so steps never wait on the GPU
+    target_tokens: int
+    grad_norm: torch.Tensor
+    overflowed: torch.Tensor | bool  # fp16: the GradScaler found inf/nan gradients and did not step
+    batch_tokens: list[tuple[int, int]]  # (real, padded) tokens of each micro-batch this rank trained on
+    stop_votes: torch.Tensor  # ranks that asked to stop (SIGTERM, Ctrl-C), summed over ranks
+    flops: float = 0.0  # model FLOPs of this rank's micro-batches (ddptrain.flops)
 
 
 @dataclass
@@ -190,32 +263,35 @@ class Window:
     batch_tokens: list[tuple[int, int]] = field(default_factory=list)
     overflowed_steps: Any = 0  # fp16 steps the GradScaler did not take; a device tensor once added
     steps: int = 0
+    flops: float = 0.0
 
     def add(self, result: Any) -> None:
-        """Add one ``trainer.StepResult``."""
+        """Add one ``StepResult``."""
         self.loss_sum = self.loss_sum + result.loss_sum.double()
         self.target_tokens += result.target_tokens
         self.batch_tokens += result.batch_tokens
         self.overflowed_steps = self.overflowed_steps + result.overflowed
         self.steps += 1
+        self.flops += result.flops
 
-    def close(self, *, step: int, epoch: int, lr: float, grad_norm: Any, watch: Stopwatch, comm: tuple) -> dict:
+    def close(self, *, step: int, epoch: int, lr: float, grad_norm: Any, watch: Stopwatch, comm: tuple | None) -> dict:
         """The window over all ranks as one metrics record, then an empty window (in place: the checkpointer
         holds this object). Every rank calls it (it runs collectives) and gets the same record.
 
         Args:
-            comm: ``(calls, syncs, bytes)`` handed to all-reduce during the window (``parallel.CommCounter``).
+            comm: ``(calls, syncs, bytes)`` handed to all-reduce during the window (``parallel.CommCounter``),
+                or None when DDP's built-in all-reduce ran uncounted (trainer.timing=false).
         """
         record = self._reduce(step, epoch, lr, float(grad_norm), watch, comm)
         self.load_state_dict(asdict(Window()))
         return record
 
-    def _reduce(self, step: int, epoch: int, lr: float, grad_norm: float, watch: Stopwatch, comm: tuple) -> dict:
+    def _reduce(self, step: int, epoch: int, lr: float, grad_norm: float, watch: Stopwatch, comm: tuple | None) -> dict:
         local = torch.tensor([float(self.loss_sum), self.target_tokens], dtype=torch.float64)
         totals = parallel.all_reduce_sum(local)
         seconds = watch.lap()  # after the reduction: every rank's steps of the window are done
         real, padded, imbalance, peak = batch_stats(parallel.all_gather_tensor(torch.tensor(self.batch_tokens)))
-        calls, syncs, sent = comm
+        per_step = [None] * 3 if comm is None else [n / self.steps for n in comm]  # None: DDP's own all-reduce
         return {
             "step": step,
             "epoch": epoch,
@@ -230,10 +306,11 @@ class Window:
             "peak_rank_tokens": peak,
             "skipped_steps": int(self.overflowed_steps),
             # Per optimizer step and rank, as DDP's communication hook saw them.
-            "allreduce_syncs_per_step": syncs / self.steps,
-            "allreduce_calls_per_step": calls / self.steps,
-            "allreduce_bytes_per_step": sent / self.steps,
+            "allreduce_calls_per_step": per_step[0],
+            "allreduce_syncs_per_step": per_step[1],
+            "allreduce_bytes_per_step": per_step[2],
             "elapsed_s": watch.elapsed(),
+            "window_steps": self.steps,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -247,6 +324,7 @@ class Window:
         # "skipped": the name in checkpoints written before the rename.
         self.overflowed_steps = int(state["overflowed_steps"] if "overflowed_steps" in state else state["skipped"])
         self.steps = int(state["steps"])
+        self.flops = float(state.get("flops", 0.0))  # absent in checkpoints written before FLOP counting
 
 
 def batch_stats(tokens: torch.Tensor) -> tuple[int, int, float, int]:

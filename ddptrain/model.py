@@ -309,6 +309,12 @@ def wants_varlen_lengths(cfg: ModelConfig) -> bool:
     return cfg.attn_implementation == Attention.flash_attention_2
 
 
+def batch_to_device(batch: dict[str, Any], device: torch.device, compiled: bool) -> dict[str, Any]:
+    """Tensors to the device; plain numbers (flash-attention's max lengths) stay as they are."""
+    moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return mark_target_count_dynamic(moved) if compiled else moved
+
+
 def mark_target_count_dynamic(batch: dict[str, Any]) -> dict[str, Any]:
     """For torch.compile: the number of targets changes with every micro-batch. Said up front, dynamo
     compiles the forward once for any count, instead of specialising on the first and recompiling."""

@@ -13,8 +13,9 @@ import inspect
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -151,17 +152,36 @@ def teardown() -> None:
 
 @dataclass
 class CommCounter:
-    """What DDP's communication hook actually sent: calls and bytes per rank (measured in the hook)."""
+    """What DDP's communication hook actually sent (calls and bytes per rank), and when it ran.
+
+    The times let ``timing.StepClock`` tell the communication that backward hid from the part it
+    waited for: on the CPU, ``hook_intervals`` are the host times spent inside the hook (the autograd
+    thread launches the all-reduce there and cannot compute meanwhile); on CUDA, ``last_launch`` is an
+    event recorded on the compute stream when the last bucket is handed over, which is when the
+    gradients are all computed and only communication is left.
+    """
 
     calls: int = 0
     syncs: int = 0
     bytes: int = 0
+    timed: bool = False
+    """Set before ``wrap_model``: time the hook (trainer.timing)."""
+    counting: bool = True
+    """False when DDP's built-in all-reduce runs (no hook): nothing was counted."""
+    hook_intervals: list[tuple[float, float]] = field(default_factory=list)
+    last_launch: Any = None
 
     def take(self) -> tuple[int, int, int]:
         """(calls, syncs, bytes) since the last take."""
         counts = (self.calls, self.syncs, self.bytes)
         self.calls = self.syncs = self.bytes = 0
         return counts
+
+    def take_times(self) -> tuple[list[tuple[float, float]], Any]:
+        """The hook's host intervals and the last launch event since the last call (then forgotten)."""
+        times = (self.hook_intervals, self.last_launch)
+        self.hook_intervals, self.last_launch = [], None
+        return times
 
 
 def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: CommCounter | None = None) -> nn.Module:
@@ -185,15 +205,28 @@ def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: Com
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        **{_SYNC_BUFFERS_KEY: cfg.broadcast_buffers},
         **_NO_INIT_SYNC,
     )
-    state, hook = _comm_hook(cfg, env, counter or CommCounter())
-    ddp.register_comm_hook(state, hook)
+    counter = counter or CommCounter()
+    if cfg.comm_hook == CommHook.none and not counter.timed:
+        # DDP's built-in all-reduce (in C++): no Python call per bucket when nothing is counted or timed.
+        counter.counting = False
+        return ddp
+    state, hook = _comm_hook(cfg, env, counter)
+    ddp.register_comm_hook(state, _timed_hook(hook, counter) if counter.timed else hook)
     return ddp
 
 
 # DDP's start-up broadcast can be switched off from torch 2.6; older releases still broadcast.
 _NO_INIT_SYNC = {"init_sync": False} if "init_sync" in inspect.signature(DDP.__init__).parameters else {}
+# Re-sending the buffers before each step's forward: ``forward_sync_buffers`` from the torch release that
+# deprecated ``broadcast_buffers`` (which then warns on every run).
+_SYNC_BUFFERS_KEY = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else "broadcast_buffers"
+)
 
 
 def _comm_hook(cfg: ParallelConfig, env: DistEnv, counter: CommCounter) -> tuple[Any, Any]:
@@ -218,6 +251,21 @@ def _comm_hook(cfg: ParallelConfig, env: DistEnv, counter: CommCounter) -> tuple
 # The hooks carry no annotations: DDP rejects a hook whose ``bucket`` annotation is not the
 # GradBucket class itself, and ``from __future__ import annotations`` would turn it into a string.
 # They mirror torch's default_hooks (allreduce_hook, fp16/bf16_compress_hook), counting on the way.
+
+
+def _timed_hook(hook: Any, counter: CommCounter) -> Any:
+    """``hook``, recording when it runs (see ``CommCounter``): two clock reads per bucket, no device sync."""
+
+    def timed(state, bucket):
+        if bucket.is_last() and bucket.buffer().is_cuda:
+            counter.last_launch = torch.cuda.Event(enable_timing=True)
+            counter.last_launch.record()
+        entered = time.perf_counter()
+        future = hook(state, bucket)
+        counter.hook_intervals.append((entered, time.perf_counter()))
+        return future
+
+    return timed
 
 
 def _count_bucket(counter: CommCounter, bucket: Any) -> None:
@@ -409,7 +457,9 @@ def check_same_on_all_ranks(value: Any, what: str, fix: str) -> None:
 
 
 def weights_checksum(model: nn.Module, trainable_only: bool = False) -> tuple[int, int]:
-    """A checksum of the parameters' bits: equal on all ranks iff the replicas agree, exactly.
+    """A checksum of the parameters' bits (and the buffers', unless ``trainable_only``): equal on all ranks
+    iff the replicas agree, exactly. The buffers count because DDP does not re-send them every step
+    (parallel.broadcast_buffers=false): they must agree from the start.
 
     Integer sums of the raw bit patterns, plain and weighted by position (so swapped elements or
     swapped tensors show too), wrapping modulo 2**64: the result does not depend on the order of
@@ -418,9 +468,10 @@ def weights_checksum(model: nn.Module, trainable_only: bool = False) -> tuple[in
     """
     with torch.no_grad():
         parts, offset = [], 0
-        for p in model.parameters():
-            if trainable_only and not p.requires_grad:
-                continue
+        tensors = [*model.parameters(), *model.buffers()]
+        if trainable_only:
+            tensors = [p for p in model.parameters() if p.requires_grad]
+        for p in tensors:
             for piece in p.detach().reshape(-1).split(_CHECKSUM_SLICE):
                 bits = piece.view(_SAME_SIZE_INT[piece.element_size()]).long()
                 position = torch.arange(offset + 1, offset + 1 + bits.numel(), device=bits.device)

@@ -1,43 +1,31 @@
 """The training loop: ``fit`` owns epochs, steps, evaluation and saving.
 
-The trainer composes parts that each know their own job: the data side yields this rank's
-micro-batches (``data.build_training_data``), the checkpointer decides what a checkpoint holds
-(``checkpoint.Checkpointer``), ``parallel`` holds every collective, and the rank-0-only work
-(files, progress bar) hides behind null objects. No ``data.*`` key is read here.
+The trainer composes parts that each know their own job: the data side yields this rank's micro-batches
+(``data.build_training_data``), the checkpointer decides what a checkpoint holds (``checkpoint.Checkpointer``),
+``parallel`` holds every collective, ``timing`` books where the time goes, and the rank-0-only work (files,
+progress bar, report) hides behind null objects. No ``data.*`` key is read here.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddptrain import checkpoint, parallel, signals
-from ddptrain.config import DType, RunConfig
+from ddptrain import checkpoint, parallel, profiling, signals, timing
+from ddptrain.config import DType, RunConfig, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
-from ddptrain.metrics import Stopwatch, Window, build_metrics_logger, build_progress_bar
-from ddptrain.model import autocast, build_model, build_tokenizer, mark_target_count_dynamic, wants_varlen_lengths
+from ddptrain.flops import build_model_flops, peak_tflops
+from ddptrain.metrics import StepResult, Stopwatch, Window, build_metrics_logger, build_progress_bar
+from ddptrain.model import autocast, batch_to_device, build_model, build_tokenizer, wants_varlen_lengths
 from ddptrain.optim import build_optimizer, build_scheduler, clip_gradients
 from ddptrain.parallel import DistEnv
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step leaves behind (local to this rank until reduced); tensors stay on the device."""
-
-    loss_sum: torch.Tensor  # read only when logging, so steps never wait on the GPU
-    target_tokens: int
-    grad_norm: torch.Tensor
-    overflowed: torch.Tensor | bool  # fp16: the GradScaler found inf/nan gradients and did not step
-    batch_tokens: list[tuple[int, int]]  # (real, padded) tokens of each micro-batch this rank trained on
-    stop_votes: torch.Tensor  # ranks that asked to stop (SIGTERM, Ctrl-C), summed over ranks
 
 
 class Trainer:
@@ -64,6 +52,8 @@ class Trainer:
         )
         self.sampler, self.loader = self.data.sampler, self.data.loader
         self.comm = parallel.CommCounter()
+        self.clock = timing.build_clock(cfg.trainer.timing, env.device, self.comm)  # before DDP: it times the hook
+        self.clock.enter("wrap_model")  # a collective (the replicas' checksum): a hang here says so
         # The step calls DDP around the loss module; evaluation and checkpoints use the loss module itself.
         self.ddp_model = parallel.wrap_model(self.loss_module, cfg.parallel, env, self.comm)
         if cfg.trainer.compile:
@@ -75,7 +65,10 @@ class Trainer:
         self.autocast = partial(autocast, cfg.trainer.precision, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.trainer.precision == DType.fp16)
         self.window = Window()
-        self.metrics = build_metrics_logger(env.is_rank_zero, run_dir)
+        self.flops = build_model_flops(self.loss_module)
+        self.peak_tflops = peak_tflops(env.device, cfg.trainer.precision, cfg.trainer.peak_tflops)
+        self.profiler = profiling.build_profiler(cfg.trainer, env, run_dir, self.clock)
+        self.metrics = build_metrics_logger(env.is_rank_zero, run_dir, cfg.logger, config_as_dict(cfg))
         shared = {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
         shared["sampler"] = self.sampler  # the data position: epoch and micro-steps consumed
         self.checkpointer = checkpoint.Checkpointer(
@@ -87,16 +80,15 @@ class Trainer:
             per_rank={"windows": self.window},
             fingerprint=self.data.fingerprint,
         )
+        self.clock.enter("resume")
         self.step = self.checkpointer.resume(cfg.trainer.resume) or 0
 
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
-        """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way.
-
-        The data position lives in the sampler, so a resumed run continues mid-epoch exactly
-        where the checkpoint left off. SIGTERM (pre-emption) or a first Ctrl-C saves a checkpoint
-        at the next step boundary and returns (see ``ddptrain.signals``).
+        """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way. The data position
+        lives in the sampler: a resumed run continues mid-epoch where the checkpoint left off. SIGTERM (pre-emption)
+        or a first Ctrl-C saves a checkpoint at the next step boundary and returns (``ddptrain.signals``).
 
         Returns:
             The last logged metrics record (identical on every rank); after a stop by signal it
@@ -106,8 +98,11 @@ class Trainer:
         bar = build_progress_bar(self.cfg.trainer.progress_bar, self.env.is_rank_zero, self.total_steps, self.step)
         watch, last, votes, stopping = Stopwatch(), {}, None, False
         with signals.stop_on_signals() as stop:
+            self.clock.enter("data", self.step + 1)
             for micro_batches in self.remaining_steps():
-                result = self.train_step(micro_batches, stop_requested=stop.requested)
+                self.profiler.step_begins(self.step + 1)
+                with profiling.out_of_memory_named(micro_batches, self.env, self.run_dir):
+                    result = self.train_step(micro_batches, stop_requested=stop.requested)
                 # The previous step's stop vote, the same on every rank: by now its copy to the host
                 # has long finished, so reading it never waits for this step's work on the device.
                 stopping = votes is not None and votes.value() > 0
@@ -118,7 +113,7 @@ class Trainer:
         bar.close()
         with signals.stop_on_signals(stop):  # while saving: a repeat changes nothing, a second Ctrl-C aborts
             if stopping and self.step < self.total_steps:  # a vote read at the last step: just finish
-                self.checkpointer.save(self.step)
+                self.save()
                 last = {**last, **stop.report(self.step)}
                 by = last[signals.STOPPED_BY]
                 log.info("stopped by %s at step %d; resume with trainer.resume=%s", by, self.step, self.run_dir)
@@ -135,28 +130,34 @@ class Trainer:
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], stop_requested: bool = False) -> StepResult:
         """One optimizer step over this rank's micro-batches.
 
-        The step's gradient is d/dθ [Σ token losses over the global batch] / N, where N is
-        the number of target tokens in the global batch (all ranks, all micro-steps). Each
-        rank back-propagates its loss sum × world_size / N; DDP then averages over ranks
-        (÷ world_size), which leaves exactly Σ/N whatever the split into ranks and micro-steps.
-        The same all-reduce carries the stop request (SIGTERM, Ctrl-C): every rank learns of it at the
-        same step, at no cost. Nothing here waits for the device. Gradients live until the next step.
+        The step's gradient is d/dθ [Σ token losses over the global batch] / N, where N is the number of target
+        tokens in the global batch (all ranks, all micro-steps). Each rank back-propagates its loss sum ×
+        world_size / N; DDP then averages over ranks (÷ world_size), which leaves exactly Σ/N whatever the split
+        into ranks and micro-steps. The same all-reduce carries the stop request (SIGTERM, Ctrl-C): every rank
+        learns of it at the same step, at no cost. Nothing here waits for the device. Gradients live until the
+        next step. ``self.clock`` marks each phase (``ddptrain.timing``).
         """
+        self.clock.enter("to_device", self.step + 1)
         # Counted on the CPU copies: no wait on the device.
         local_tokens = sum(b["target_index"].numel() for b in micro_batches)  # the collator found the targets
         batch_tokens = [batch_token_counts(b) for b in micro_batches]
-        batches = [self.to_device(b) for b in micro_batches]
+        flops = sum(self.flops.batch_flops(b) for b in micro_batches)
+        batches = [batch_to_device(b, self.env.device, self.cfg.trainer.compile) for b in micro_batches]
         counts = torch.tensor([local_tokens, float(stop_requested)], dtype=torch.float64)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.clock.enter("sync", self.step + 1)  # waits for the slowest rank to reach this step
         n_tokens, stop_votes = parallel.all_reduce_sum(counts.to(self.env.device, non_blocking=True))
         # In fp32 (the scale is exact there), whatever the precision of the loss.
         scale = self.env.world_size / n_tokens.clamp(min=1).float()
-        self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.env.device)
         for i, batch in enumerate(batches):
+            self.clock.enter("forward", self.step + 1, i)
             with parallel.grad_sync(self.ddp_model, enabled=i == len(batches) - 1), self.autocast():
                 micro_loss, _ = self.ddp_model(**batch)
+            self.clock.enter("backward", self.step + 1, i)
             self.scaler.scale(micro_loss * scale).backward()
             loss_sum += micro_loss.detach().float()
+        self.clock.enter("optimizer", self.step + 1)
         self.scaler.unscale_(self.optimizer)
         grad_norm = clip_gradients(self.trainable, self.cfg.optim)
         # GradScaler lowers its scale (a device tensor, updated in place) exactly when it skips a step;
@@ -166,7 +167,8 @@ class Trainer:
         self.scaler.update()
         self.scheduler.step()
         overflowed = self.scaler._scale < scale_before if scale_before is not None else False
-        return StepResult(loss_sum, local_tokens, grad_norm, overflowed, batch_tokens, stop_votes)
+        self.clock.enter("other", self.step + 1)
+        return StepResult(loss_sum, local_tokens, grad_norm, overflowed, batch_tokens, stop_votes, flops)
 
     def after_step(self, result: StepResult, watch: Stopwatch, bar: Any) -> dict[str, Any] | None:
         """Book the step (data position, log window), then log, evaluate and save when due.
@@ -178,56 +180,46 @@ class Trainer:
         self.sampler.skip(len(result.batch_tokens))  # the micro-batches this step consumed
         self.step += 1
         bar.advance()
-        if self.step == 1:
-            self.check_first_step()
+        self.profiler.step_ends(self.step)
+        if self.step == 1:  # every trainable parameter got a gradient (naming any that did not), replicas agree
+            parallel.check_every_trainable_param_has_a_gradient(self.loss_module, self.cfg.parallel)
+            parallel.check_trainable_params_agree(self.loss_module)
         record = None
         if self.step % self.cfg.trainer.log_every_n_steps == 0 or self.step == self.total_steps:
+            self.clock.enter("log", self.step)
             record = self.log_window(watch, result.grad_norm)
             bar.update(record)
         if self.due(self.cfg.trainer.eval_every_n_steps) and self.data.eval is not None:
             self.evaluate()
         if self.due(self.cfg.trainer.save_every_n_steps):
-            self.checkpointer.save(self.step)
+            self.save()
+        self.clock.enter("data", self.step + 1)
         return record
 
     def due(self, every_n_steps: int) -> bool:
         """Whether a periodic task runs now (0 = only at the end, which ``finish`` does)."""
         return bool(every_n_steps) and self.step % every_n_steps == 0 and self.step < self.total_steps
 
-    def to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Tensors to the device; plain numbers (flash-attention's max lengths) stay as they are."""
-        moved = {k: v.to(self.env.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-        return mark_target_count_dynamic(moved) if self.cfg.trainer.compile else moved
-
-    # ------------------------------------------------------------------ checks, logging, eval
-
-    def check_first_step(self) -> None:
-        """After step 1, on every rank: each trainable parameter got a gradient, and the replicas agree.
-
-        Raises:
-            RuntimeError: unused trainable parameters under DDP (naming them and the fix), or replicas
-                that differ (the loss was computed outside the DDP-wrapped module).
-        """
-        parallel.check_every_trainable_param_has_a_gradient(self.loss_module, self.cfg.parallel)
-        parallel.check_trainable_params_agree(self.loss_module)
-
     def log_window(self, watch: Stopwatch, grad_norm: torch.Tensor) -> dict[str, Any]:
         """Reduce the window over ranks, write one metrics record (all ranks return it), start a new window."""
-        lr, comm = self.scheduler.get_last_lr()[0], self.comm.take()
+        lr, comm = self.scheduler.get_last_lr()[0], self.comm.take() if self.comm.counting else None
+        flops_per_step = self.window.flops / max(self.window.steps, 1)
         record = self.window.close(
             step=self.step, epoch=self.sampler.epoch, lr=lr, grad_norm=grad_norm, watch=watch, comm=comm
         )
+        record.update(self.clock.close_window(flops_per_step, self.peak_tflops))
         self.metrics.log(record)
         return record
 
     def evaluate(self) -> float:
         """Mean target-token loss over the whole eval split (every rank a disjoint shard, none dropped)."""
+        self.clock.enter("eval", self.step)
         self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: freed before eval's peak
         self.loss_module.eval()
         totals = torch.zeros(2, dtype=torch.float64)
         with torch.no_grad(), self.autocast():
             for batch in self.data.eval_batches():
-                loss_sum, n = self.loss_module(**self.to_device(batch))
+                loss_sum, n = self.loss_module(**batch_to_device(batch, self.env.device, compiled=False))
                 totals += torch.tensor([float(loss_sum), float(n)], dtype=torch.float64)
         self.loss_module.train()
         totals = parallel.all_reduce_sum(totals)
@@ -238,10 +230,20 @@ class Trainer:
 
     def finish(self) -> None:
         """Final evaluation, then the last checkpoint and the adapter (and a random base) from rank 0."""
+        self.clock.enter("finish", self.step)
         if self.data.eval is not None:
             self.evaluate()
         if self.cfg.trainer.save_final:
-            self.checkpointer.save(self.step)
+            self.save()
             self.checkpointer.save_final(self.tokenizer, self.cfg.model, self.cfg.trainer.seed)
         parallel.barrier()
-        self.metrics.close()
+
+    def save(self) -> None:
+        self.clock.enter("save", self.step)
+        self.checkpointer.save(self.step)
+
+    def close(self, status: str) -> None:
+        """After the process group is gone (no rank waits on this): a profile cut short, then on rank 0 the
+        report and the loggers' last word. ``status``: finished, stopped or failed."""
+        self.profiler.close()
+        self.metrics.close(status)

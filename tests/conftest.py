@@ -140,6 +140,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def read_written_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run that is still writing: a line not yet ended by its newline is left for later
+    (another process may be in the middle of writing it)."""
+    *complete, _unfinished = (run_dir / "metrics.jsonl").read_text().split("\n")
+    return [json.loads(line) for line in complete]
+
+
 def run_dirs(output_dir: Path) -> list[Path]:
     """Run folders (hidden bookkeeping such as .torchrun/ excluded)."""
     return sorted(p for p in output_dir.iterdir() if p.is_dir() and not p.name.startswith("."))

@@ -17,7 +17,9 @@ is its own 2-process DDP job started through ``ddptrain.launch.launch``:
 - ``hf``: transformers ``Trainer`` with its ``train_sampling_strategy`` (group_by_length,
   batch_rebalance), the peft model, a padding collator and the model's own loss;
 - ``hand``: plain ``DDP`` over ddptrain's loss module fed ddptrain's exact micro-batches; the floor
-  for framework overhead.
+  for framework overhead;
+- ``untimed``: ``ddptrain`` with ``trainer.timing=false`` (no step clock, DDP's built-in all-reduce
+  instead of the timed Python comm hook): what measuring costs (``make bench-timing``).
 
 Throughput is real (non-padding) tokens of all ranks over the measured steps divided by their wall
 time (end of the last warm-up step to end of the last step). Peak RSS is each rank's ``ru_maxrss``.
@@ -40,9 +42,6 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.bench.throughput_model import LORA_RANK, MODEL_CONFIG, write_model_config
-
-# Dense bf16 peak TFLOP/s per GPU, for MFU when --peak-tflops is not given.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 
 DEFAULT_VARIANTS = (
     "ddptrain:length_grouped",
@@ -68,6 +67,7 @@ class Variant:
     def parse(cls, text: str) -> Variant:
         kind, _, batching = text.partition(":")
         modes = {"ddptrain": ("random", "length_grouped", "token_budget", "packed"),
+                 "untimed": ("random", "length_grouped", "token_budget", "packed"),
                  "hand": ("random", "length_grouped", "token_budget", "packed"),
                  "hf": ("random", "group_by_length", "batch_rebalance")}  # fmt: skip
         if batching not in modes.get(kind, ()):
@@ -201,10 +201,17 @@ def run_variant(variant: Variant, args, workdir: Path, overrides: list[str], ind
     from ddptrain.launch import launch
 
     batching = variant.batching if variant.kind != "hf" else "length_grouped"
-    cfg = compose([*overrides, f"data.batching={batching}"])
+    # untimed: ddptrain with trainer.timing=false (no step clock, DDP's built-in all-reduce, no comm hook).
+    timing = ["trainer.timing=false"] if variant.kind == "untimed" else []
+    cfg = compose([*overrides, f"data.batching={batching}", *timing])
     run_dir = workdir / "runs" / f"{index:02d}_{variant.kind}_{variant.batching}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = {"kind": variant.kind, "warmup": args.warmup, "steps": args.steps, "hf_strategy": variant.batching}
+    job = {
+        "kind": "ddptrain" if variant.kind == "untimed" else variant.kind,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "hf_strategy": variant.batching,
+    }
     (run_dir / "job.json").write_text(json.dumps(job))
     started = time.perf_counter()
     launch(cfg, run_dir, run_job)
@@ -278,7 +285,7 @@ def table(summary: dict[str, dict[str, Any]], nproc: int, peak_tflops: float | N
         ratio_cpu = f"{v['tokens_per_cpu_s'] / hf_best_cpu:.2f}×" if hf_best_cpu else "n/a"
         hand = summary.get(f"hand:{batching}")
         vs_hand = "n/a"
-        if hand and kind == "ddptrain":
+        if hand and kind in ("ddptrain", "untimed"):
             vs_hand = f"{hand['tokens_per_cpu_s'] / v['tokens_per_cpu_s'] - 1:+.1%}"
         per_step = v["real_tokens"] / max(1, round(v["seconds"] / v["s_per_step"]))
         rss = " / ".join(str(x) for x in v["peak_rss_mb"])
@@ -312,9 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     if not cuda:
         os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank; 2 ranks on 2 cores
     peak = args.peak_tflops
-    if cuda and peak is None:
-        name = torch.cuda.get_device_name(0)
-        peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    if cuda and peak is None:  # the product's table of dense peaks (ddptrain/flops.py)
+        from ddptrain.config import DType
+        from ddptrain.flops import lookup_peak_tflops
+
+        peak = lookup_peak_tflops(torch.cuda.get_device_name(0), DType(args.precision))
     variants = [Variant.parse(v.strip()) for v in args.variants.split(",") if v.strip()]
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ddptrain-bench-"))
     overrides = base_overrides(args, workdir, write_model_config(workdir), cuda)

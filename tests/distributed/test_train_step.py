@@ -226,3 +226,31 @@ def test_ddp_broadcasts_no_weights_at_start_up(tmp_path) -> None:
     for rank in (0, 1):
         record = json.loads((run_dir / f"broadcast{rank}.json").read_text())
         assert record["model"] > 0 and record["broadcast"] == [], record
+
+
+def test_ranks_with_different_buffers_are_stopped_before_training(tmp_path) -> None:
+    from tests.distributed.workers_replicas import train_with_rank1_buffer_changed
+
+    run_dir = tmp_path / "buffer-drift"
+    run_dir.mkdir()
+    cfg = compose_config(["parallel=ddp2", f"trainer.output_dir={tmp_path}", "trainer.max_steps=2", *TINY])
+    with pytest.raises(RuntimeError):
+        launch(cfg, run_dir, entrypoint=train_with_rank1_buffer_changed)
+    assert "the model's weights differs between ranks" in (run_dir / "error0.txt").read_text()
+
+
+@pytest.mark.parametrize(("broadcast", "expected"), [("false", 0), ("true", 3)])
+def test_buffers_are_broadcast_before_each_step_only_when_asked(tmp_path, broadcast, expected) -> None:
+    """DDP's default re-sends the buffers before the forward of each step's synced micro-step (3 steps);
+    the constant buffers of a decoder LM need none of it."""
+    from tests.distributed.workers_replicas import record_buffer_broadcasts
+
+    run_dir = tmp_path / "broadcasts"
+    run_dir.mkdir()
+    overrides = ["trainer.max_steps=3", "optim.grad_accum_steps=2", f"parallel.broadcast_buffers={broadcast}"]
+    cfg = compose_config(
+        ["parallel=ddp2", f"trainer.output_dir={tmp_path}", "trainer.save_final=false", *TINY, *overrides]
+    )
+    launch(cfg, run_dir, entrypoint=record_buffer_broadcasts)
+    for rank in (0, 1):
+        assert json.loads((run_dir / f"broadcasts{rank}.json").read_text()) == expected

@@ -5,6 +5,7 @@ never stopped; a second Ctrl-C aborts at once."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -19,7 +20,15 @@ import pytest
 from safetensors.torch import load_file
 
 from ddptrain.signals import ABORTED_EXIT_CODE, REPEAT_WINDOW_S, STOPPED_EXIT_CODE
-from tests.conftest import REPO, RUN_TAG, processes_mentioning, read_metrics, run_ddptrain, run_dirs
+from tests.conftest import (
+    REPO,
+    RUN_TAG,
+    processes_mentioning,
+    read_metrics,
+    read_written_metrics,
+    run_ddptrain,
+    run_dirs,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -119,7 +128,7 @@ class SignalledRun:
             assert self.proc.poll() is None, f"the run ended before step {step}:\n{self.output()[-3000:]}"
             dirs = run_dirs(self.output_dir) if self.output_dir.exists() else []
             if dirs and (dirs[0] / "metrics.jsonl").exists():
-                logged = [r["step"] for r in read_metrics(dirs[0]) if "loss" in r]
+                logged = [r["step"] for r in read_written_metrics(dirs[0]) if "loss" in r]
                 if logged and logged[-1] >= step:
                     return
             time.sleep(0.02)
@@ -202,6 +211,8 @@ def test_signal_saves_a_checkpoint_stops_within_seconds_and_resumes_bit_identica
     assert f"stopped by {sig.name} at step {stopped_at}" in (run_dir / "train.log").read_text()
     line = f"ddptrain: stopped by {sig.name} at step {stopped_at}; checkpoint {checkpoint}; "
     assert output.count(f"{line}resume with trainer.resume={run_dir}\n") == 1, output[-3000:]
+    if case == "self-launch-SIGTERM-to-launcher":
+        assert_a_stopped_run_is_diagnosed(run_dir, stopped_at)
 
     resumed = run_ddptrain([*ARGS, f"trainer.resume={run_dir}", f"trainer.output_dir={tmp_path}/resumed"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -210,6 +221,18 @@ def test_signal_saves_a_checkpoint_stops_within_seconds_and_resumes_bit_identica
     final = adapter_weights(resumed_dir)
     assert final.keys() == uninterrupted.keys()
     assert all((final[k] == uninterrupted[k]).all() for k in final), "resumed run differs from the uninterrupted one"
+
+
+def assert_a_stopped_run_is_diagnosed(run_dir: Path, stopped_at: int) -> None:
+    """The stop wrote the report; ``python -m ddptrain.diagnose`` writes it again, with plots, from the folder."""
+    (run_dir / "report.json").unlink()  # written at the stop: the command must write it again
+    command = [sys.executable, "-m", "ddptrain.diagnose", str(run_dir)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["verdict"] and report["summary"]["tokens_per_s"] > 0
+    assert any(f"stopped at step {stopped_at}" in note for note in report["notes"]), report["notes"]
+    assert (run_dir / "time_by_rank.png").is_file()
 
 
 def test_ctrl_c_again_within_the_window_is_the_same_request(tmp_path) -> None:

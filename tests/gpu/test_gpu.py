@@ -140,3 +140,16 @@ def test_two_gpus_nccl_with_bf16_compression(tmp_path) -> None:
     assert all(r["allreduce_syncs_per_step"] == 1.0 for r in records)
     # 2 bytes per LoRA gradient element (4 uncompressed): the tiny model's 77,824 trainable parameters.
     assert all(r["allreduce_bytes_per_step"] == 155_648 for r in records)
+
+
+def test_cuda_timing_adds_up_and_reports_mfu(train: Train) -> None:
+    """On CUDA the step clock reads events once per window: the columns still add up, and the GPU's
+    name gives the peak (an H100/H200/A100... from the table) so mfu is a fraction, not null."""
+    records = train(*BF16)
+    for record in records[1:]:
+        columns = sum(record[f"time_{c}_s"] for c in ("data", "compute", "comm", "optimizer", "other"))
+        assert abs(columns - record["step_time_s"]) <= 0.05 * record["step_time_s"], record
+        assert record["mem_peak_gb"] > 0 and record["mem_total_gb"] > record["mem_peak_gb"]
+        assert record["tflops"] > 0
+    if records[-1]["peak_tflops"] is not None:
+        assert 0 < records[-1]["mfu"] < 1

@@ -12,7 +12,7 @@ from ddptrain.__main__ import CONF_DIR
 from ddptrain.config import Batching, CommHook, ConfigError, Device
 from tests.conftest import REPO, compose_config
 
-GROUPS = ["model", "data", "parallel", "optim", "trainer"]
+GROUPS = ["model", "data", "parallel", "optim", "trainer", "logger"]
 NEEDS_PATH = {"alpaca", "chat"}  # data options whose data.path is required
 
 
@@ -306,3 +306,25 @@ def test_sweep_job_folders_are_named_by_the_swept_keys_only() -> None:
     assert config.swept_overrides(job, argv) == "data.path=_d_b.jsonl,optim.lr=0.002"
     assert config.swept_overrides(["optim.lr=0.1"], ["ddptrain", "-m", "optim.lr=0.1"]) == ""
     assert config.swept_overrides(["a=1"], ["ddptrain", "-m", "range(1,3)=x"]) == "a=1", "unparsable: every override"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.profile_steps=[5,3]", r"trainer.profile_steps=\[5, 3\] must be \[START, END\]"),
+        ("trainer.profile_steps=[0,2]", r"1 <= START <= END"),
+        ("trainer.profile_steps=[3]", r"must be \[START, END\]"),
+        ("trainer.profile_steps=[30,40]", r"starts after trainer.max_steps=20"),
+        ("trainer.peak_tflops=0", r"trainer.peak_tflops=0.0 must be positive"),
+        ("trainer.diagnose.rank_time_imbalance=1.0", r"rank_time_imbalance=1.0 must be above 1"),
+        ("trainer.diagnose.comm_share=0", r"trainer.diagnose.comm_share=0.0 must be in \(0, 1\]"),
+    ],
+)
+def test_diagnostics_keys_are_checked_before_any_worker_starts(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        compose_config(["trainer.max_steps=20", override])
+
+
+def test_profile_ranks_must_be_global_ranks() -> None:
+    with pytest.raises(ConfigError, match=r"trainer.profile_ranks=\[-1\]"):
+        compose_config(["trainer.profile_steps=[1,2]", "trainer.profile_ranks=[-1]"])

@@ -1,0 +1,186 @@
+"""The run diagnosis on 2 gloo ranks, against slowdowns the test injects (tests/distributed/workers_diagnose.py).
+
+Each injected delay must land in its own time column (within 20% of what was injected), the end-of-run
+report must name the right verdict and levers, and its prediction for more accumulation must match a
+measured run. The figures come from the product's timers; the injected seconds are the test's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+
+from ddptrain.launch import launch
+from tests.conftest import compose_config, read_metrics
+from tests.distributed.workers_diagnose import BALLAST_BYTES, DELAY_S, SCENARIOS_FILE, train_scenarios
+
+pytestmark = pytest.mark.dist
+
+BASE = [
+    "parallel=ddp2",
+    "data.max_rows=400",
+    "data.eval_fraction=0",
+    "trainer.progress_bar=false",
+    "trainer.save_final=false",
+    "trainer.log_every_n_steps=4",
+    "parallel.timeout_s=120",
+]
+STEPS = "trainer.max_steps=16"
+# Full packed rows: every micro-batch holds the same number of tokens, so compute per micro-batch is the
+# same at any accumulation and the prediction is judged on what it models, not on which rows came up.
+PACKED = ["data.batching=packed", "data.max_tokens_per_batch=1024"]
+SCENARIOS = {
+    # name: (overrides, injection)
+    # 2 epochs of 9 steps: memory every epoch; rank 1 holds extra memory from step 3 on.
+    "plain": (["trainer.epochs=2", "data.max_rows=144"], "ballast_on_rank_one"),
+    "data": ([STEPS], "slow_loader"),
+    "untimed": ([STEPS, "trainer.timing=false"], "none"),
+    "straggler": ([STEPS], "slow_rank_one"),
+    "comm": ([STEPS, *PACKED], "slow_all_reduce"),
+    "comm_accum4": ([STEPS, *PACKED, "optim.grad_accum_steps=4"], "slow_all_reduce"),
+}
+
+
+TIMED = [name for name in SCENARIOS if name != "untimed"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """All scenarios, trained one after another in one 2-rank process group."""
+    root = tmp_path_factory.mktemp("diagnose")
+    scenarios = [
+        (name, compose_config([*BASE, f"trainer.output_dir={root}", *extra]), injection)
+        for name, (extra, injection) in SCENARIOS.items()
+    ]
+    (root / SCENARIOS_FILE).write_bytes(pickle.dumps(scenarios))
+    launch(scenarios[0][1], root, entrypoint=train_scenarios)
+    return root
+
+
+def train_records(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "loss" in r]
+
+
+def steady(run_dir: Path, key: str) -> float:
+    """``key`` averaged over the windows after the first (which holds the warm-up), weighted by steps."""
+    records = train_records(run_dir)[1:]
+    return sum(r[key] * r["window_steps"] for r in records) / sum(r["window_steps"] for r in records)
+
+
+def steady_by_rank(run_dir: Path, rank: int, key: str) -> float:
+    records = train_records(run_dir)[1:]
+    total = sum(r["by_rank"][rank][key] * r["window_steps"] for r in records)
+    return total / sum(r["window_steps"] for r in records)
+
+
+def report(run_dir: Path) -> dict:
+    return json.loads((run_dir / "report.json").read_text())
+
+
+def lever_keys(run_dir: Path) -> list[str]:
+    return [lever["key"] for lever in report(run_dir)["levers"]]
+
+
+def assert_close(measured: float, expected: float, rel: float, what: str) -> None:
+    assert abs(measured - expected) <= rel * expected, f"{what}: measured {measured:.4f} s, expected {expected:.4f}"
+
+
+def test_a_plain_run_is_compute_bound(runs) -> None:
+    assert report(runs / "plain")["verdict"] == "compute", report(runs / "plain")
+
+
+def test_a_slow_loader_is_diagnosed_as_data_and_shows_in_the_data_column(runs) -> None:
+    added = steady(runs / "data", "time_data_s") - steady(runs / "plain", "time_data_s")
+    assert_close(added, DELAY_S, 0.2, "time_data_s added by a loader sleeping per micro-batch")
+    assert report(runs / "data")["verdict"] == "data"
+    assert "data.num_workers" in lever_keys(runs / "data")
+
+
+def test_a_slow_rank_is_a_straggler_named_by_its_rank(runs) -> None:
+    slow = steady_by_rank(runs / "straggler", 1, "time_compute_s")
+    fast = steady_by_rank(runs / "straggler", 0, "time_compute_s")
+    assert_close(slow - fast, DELAY_S, 0.2, "rank 1's compute time over rank 0's")
+    # Rank 0 waits for rank 1 in the all-reduce: that wait is communication, not work.
+    waited = steady_by_rank(runs / "straggler", 0, "time_comm_s") - steady_by_rank(runs / "plain", 0, "time_comm_s")
+    assert_close(waited, DELAY_S, 0.2, "rank 0's exposed communication")
+    diagnosis = report(runs / "straggler")
+    assert diagnosis["verdict"] == "straggler", diagnosis
+    assert diagnosis["summary"]["slowest_rank"] == 1
+    assert all(r["slowest_rank"] == 1 for r in train_records(runs / "straggler")[1:])
+
+
+def test_slow_communication_is_diagnosed_and_shows_in_the_comm_column(runs) -> None:
+    added = steady(runs / "comm", "time_comm_s") - steady(runs / "plain", "time_comm_s")
+    assert_close(added, DELAY_S, 0.2, "time_comm_s added by a comm hook sleeping once per step")
+    assert report(runs / "comm")["verdict"] == "communication"
+    assert {"optim.grad_accum_steps", "parallel.comm_hook"} <= set(lever_keys(runs / "comm"))
+
+
+def test_the_predicted_effect_of_more_accumulation_matches_a_measured_run(runs) -> None:
+    levers = report(runs / "comm")["levers"]
+    accum = next(lever for lever in levers if lever["key"] == "optim.grad_accum_steps" and str(lever["value"]) == "4")
+    measured = steady(runs / "comm_accum4", "tokens_per_s")
+    predicted = accum["predicted_tokens_per_s"]
+    columns = {c: round(steady(runs / "comm_accum4", c), 4) for c in ("step_time_s", "time_compute_s", "time_comm_s")}
+    why = f"predicted {predicted:.0f} tokens/s from {report(runs / 'comm')['summary'].get('split')}, measured "
+    assert abs(predicted - measured) <= 0.25 * measured, f"{why}{measured:.0f} with {columns}"
+
+
+def test_the_step_time_is_the_wall_time_between_log_lines(runs) -> None:
+    """Held to the rank-0 stopwatch that stamps each record (elapsed_s), not to the step clock's own marks:
+    between two log lines there is nothing but steps and the logging itself (no eval, no checkpoint)."""
+    for name in TIMED:
+        records = train_records(runs / name)
+        for before, record in itertools.pairwise(records):
+            wall = record["elapsed_s"] - before["elapsed_s"]
+            timed = record["step_time_s"] * record["window_steps"]
+            assert 0.9 * wall <= timed <= 1.02 * wall, (name, record["step"], timed, wall)
+
+
+def test_logged_flops_are_the_flops_of_the_batches_each_rank_trained_on(runs) -> None:
+    for name in TIMED:
+        per_rank = [json.loads((runs / name / f"flops{rank}.json").read_text()) for rank in (0, 1)]
+        step = 0
+        for record in train_records(runs / name):
+            window = range(step, step + record["window_steps"])
+            counted = sum(flops[i] for flops in per_rank for i in window)
+            assert record["model_flops_per_step"] * record["window_steps"] == pytest.approx(counted, rel=1e-9)
+            achieved = record["model_flops_per_step"] / 2 / record["step_time_s"] / 1e12  # per rank
+            assert record["tflops"] == pytest.approx(achieved, rel=1e-9)
+            assert record["mfu"] is None  # a CPU without trainer.peak_tflops
+            step = window.stop
+
+
+def test_timing_off_logs_no_time_split_and_trains_the_same(runs) -> None:
+    records = train_records(runs / "untimed")
+    assert all("time_compute_s" not in r and "tflops" not in r for r in records)
+    # DDP's built-in all-reduce ran (no Python hook): nothing was counted, so nothing is claimed.
+    assert all(r["allreduce_bytes_per_step"] is None for r in records)
+    assert report(runs / "untimed")["verdict"] is None
+    same_run = train_records(runs / "data")  # the same config; its loader only slept
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in same_run], rel=1e-6)
+
+
+def test_the_time_columns_add_up_to_the_step_time_on_every_rank(runs) -> None:
+    for name in TIMED:
+        for record in train_records(runs / name):
+            for rank in record["by_rank"]:
+                columns = sum(rank[f"time_{c}_s"] for c in ("data", "compute", "comm", "optimizer", "other"))
+                assert abs(columns - rank["step_time_s"]) <= 0.05 * rank["step_time_s"], (name, rank)
+                assert min(rank[f"time_{c}_s"] for c in ("data", "compute", "comm", "optimizer", "other")) >= 0
+
+
+def test_memory_peaks_are_logged_for_every_rank_in_every_epoch(runs) -> None:
+    records = train_records(runs / "plain")
+    assert {r["epoch"] for r in records} == {0, 1}
+    for record in records:
+        assert len(record["mem_peak_gb_by_rank"]) == 2
+        assert record["mem_peak_gb"] == max(record["mem_peak_gb_by_rank"])
+    # Rank 1 took BALLAST_BYTES more at step 3: from the window holding step 3 on, its peak shows them.
+    for record in records[1:]:
+        rank0, rank1 = record["mem_peak_gb_by_rank"]
+        assert rank1 - rank0 >= 0.8 * BALLAST_BYTES / 2**30, record["mem_peak_gb_by_rank"]

@@ -1,0 +1,98 @@
+"""``logger=[tensorboard,wandb,mlflow]`` through the real CLI, W&B offline: each tool reads back the
+``loss`` series that ``metrics.jsonl`` holds and the end-of-run report that ``report.json``/``report.md`` hold,
+and rank 0 alone wrote them."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests import logger_readers as read
+from tests.conftest import assert_no_process_left, read_metrics, run_ddptrain, run_dirs
+
+pytestmark = pytest.mark.e2e
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One 6-step run of the default tiny job (2 CPU ranks) with all three loggers: the tests below share it."""
+    out = tmp_path_factory.mktemp("loggers")
+    marker = f"loggers-{uuid.uuid4().hex}"  # in the output folder, hence in RUN_TAG of every process
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")  # the documented way; logger.wandb.mode=offline is tested in unit
+        for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # not the user's home
+            patch.setenv(var, str(out / "wandb-home"))
+        patch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # were W&B to go online, it would fail here
+        start = time.monotonic()
+        result = run_ddptrain(
+            [
+                "trainer=debug",
+                f"trainer.max_steps={STEPS}",
+                "logger=[tensorboard,wandb,mlflow]",
+                "trainer.progress_bar=false",
+                "parallel.timeout_s=60",
+                f"trainer.output_dir={out / marker}",
+            ],
+            timeout=240,
+        )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.monotonic() - start < 120, "W&B or MLflow held the run up at start or at close"
+    assert_no_process_left(marker)  # W&B's service process ended with the run
+    (run_dir,) = run_dirs(out / marker)
+    return run_dir
+
+
+def run_report(run_dir: Path) -> dict:
+    """The report the run wrote at its end (the oracle for what the loggers got), with a verdict to compare."""
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["verdict"], f"trainer=debug times its steps: the report should have a verdict: {report}"
+    return report
+
+
+def jsonl_losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir) if "loss" in r]
+
+
+def assert_same_series(got: list[tuple[int, float]], want: list[tuple[int, float]], rel: float) -> None:
+    """The same steps, and values equal within ``rel`` (TensorBoard stores float32, the others float64)."""
+    assert [step for step, _ in got] == [step for step, _ in want]
+    assert [value for _, value in got] == pytest.approx([value for _, value in want], rel=rel)
+
+
+def test_metrics_jsonl_has_the_steps(logged_run: Path) -> None:
+    assert [step for step, _ in jsonl_losses(logged_run)] == list(range(1, STEPS + 1))
+
+
+def test_tensorboard_loss_equals_metrics_jsonl(logged_run: Path) -> None:
+    log_dir = logged_run / "tensorboard"
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1, "one event file: rank 0 alone writes"
+    events = read.tensorboard_run(log_dir)
+    assert_same_series(read.tensorboard_series(events, "loss"), jsonl_losses(logged_run), rel=1e-6)
+    report_text = read.tensorboard_text(events, "report")
+    assert report_text == (logged_run / "report.md").read_text()
+    assert f"verdict `{run_report(logged_run)['verdict']}`" in report_text
+
+
+def test_wandb_offline_loss_equals_metrics_jsonl(logged_run: Path) -> None:
+    path = read.wandb_file(logged_run)  # exactly one W&B run: rank 0 alone
+    assert path.parent.name.startswith("offline-run-")
+    records = read.wandb_records(path)
+    assert_same_series(read.wandb_series(records, "loss"), jsonl_losses(logged_run), rel=1e-12)
+    state = read.wandb_state(path)
+    assert (state["state"], state["config"]["trainer"]["max_steps"]) == ("finished", STEPS)
+    assert state["summary"]["report"]["verdict"] == run_report(logged_run)["verdict"]
+
+
+def test_mlflow_loss_equals_metrics_jsonl(logged_run: Path) -> None:
+    client, run = read.mlflow_run((logged_run / "mlruns").as_uri())  # exactly one MLflow run: rank 0 alone
+    assert_same_series(read.mlflow_series(client, run.info.run_id, "loss"), jsonl_losses(logged_run), rel=1e-12)
+    assert run.data.params["trainer.max_steps"] == str(STEPS) and run.info.status == "FINISHED"
+    report = run_report(logged_run)
+    assert run.data.tags["verdict"] == report["verdict"]
+    artifacts = Path(client.download_artifacts(run.info.run_id, ""))
+    assert json.loads((artifacts / "report.json").read_text()) == report

@@ -1,0 +1,96 @@
+"""The real entrypoint with the profiler on, the end-of-run report, and ``python -m ddptrain.diagnose``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from tests.conftest import REPO, read_metrics, run_ddptrain, run_dirs
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("profiled")
+    result = run_ddptrain(
+        [
+            "trainer=debug",
+            "trainer.max_steps=6",
+            "trainer.log_every_n_steps=2",
+            "trainer.profile_steps=[3,5]",
+            "trainer.progress_bar=false",
+            "trainer.save_final=false",
+            "data.eval_fraction=0",
+            "parallel.timeout_s=60",
+            f"trainer.output_dir={out}",
+        ]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(out)
+    return run_dir, result
+
+
+def step_ranges(events: list[dict]) -> dict[int, tuple[float, float]]:
+    """``ddptrain.step N`` ranges of the trace: N -> (start, end) in microseconds."""
+    ranges = {}
+    for event in events:
+        name = event.get("name", "")
+        if name.startswith("ddptrain.step ") and event.get("ph") == "X":
+            ranges[int(name.split()[-1])] = (event["ts"], event["ts"] + event["dur"])
+    return ranges
+
+
+def test_profile_steps_write_a_trace_holding_the_forward_and_backward_of_those_steps(profiled_run) -> None:
+    run_dir, _ = profiled_run
+    traces = sorted((run_dir / "profile").glob("*.json"))
+    assert [t.name for t in traces] == ["rank0_steps3-5.trace.json"], "only rank 0 (trainer.profile_ranks) traces"
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    ranges = step_ranges(events)
+    assert sorted(ranges) == [3, 4, 5]
+    for step, (start, end) in ranges.items():
+        inside = [e["name"] for e in events if e.get("ph") == "X" and start <= e["ts"] and e["ts"] + e["dur"] <= end]
+        assert any(name == "aten::linear" for name in inside), f"no forward matmul in step {step}"
+        assert any("Backward" in name for name in inside), f"no backward in step {step}"
+        assert any(name.startswith("Optimizer.step") for name in inside), f"no optimizer step in step {step}"
+
+
+def test_every_run_ends_with_a_report_and_a_verdict_on_the_console(profiled_run) -> None:
+    run_dir, result = profiled_run
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["verdict"] in {"compute", "communication", "data", "imbalance", "straggler", "memory"}
+    assert "verdict" in (run_dir / "report.md").read_text().lower()
+    assert f"Run report ({run_dir}/report.md): {report['verdict']}" in result.stderr, result.stderr[-3000:]
+    # The report comes after training is over, before the last word.
+    assert result.stderr.index("Run report (") < result.stderr.index("ddptrain: done. Results in"), result.stderr
+    last = [r for r in read_metrics(run_dir) if "loss" in r][-1]
+    assert report["summary"]["tokens_per_s"] > 0 and last["tokens_per_s"] > 0
+
+
+def test_diagnose_rewrites_the_report_with_plots_from_the_run_folder(profiled_run) -> None:
+    run_dir, _ = profiled_run
+    (run_dir / "report.json").unlink()
+    result = subprocess.run(
+        [sys.executable, "-m", "ddptrain.diagnose", str(run_dir)], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((run_dir / "report.json").read_text())["verdict"]
+    pngs = sorted(run_dir.glob("*.png"))
+    assert len(pngs) >= 2, pngs
+    for png in pngs:
+        assert matplotlib.image.imread(png).size > 0
+
+
+def test_diagnose_what_if_estimates_another_scale(profiled_run) -> None:
+    run_dir, _ = profiled_run
+    command = [sys.executable, "-m", "ddptrain.diagnose", str(run_dir), "--what-if", "parallel.nproc_per_node=8"]
+    result = subprocess.run([*command, "link=nvlink"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "What if: parallel.nproc_per_node=8 link=nvlink" in result.stdout, result.stdout
+    what_if = json.loads((run_dir / "report.json").read_text())["what_if"]
+    assert what_if["nproc_per_node"] == 8 and what_if["link"] == "nvlink", what_if
