@@ -205,7 +205,7 @@ def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: Com
         find_unused_parameters=cfg.find_unused_parameters,
         static_graph=cfg.static_graph,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-        **{_SYNC_BUFFERS_KEY: cfg.broadcast_buffers},
+        **_buffer_sync(cfg.broadcast_buffers),
         **_NO_INIT_SYNC,
     )
     counter = counter or CommCounter()
@@ -220,13 +220,18 @@ def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: Com
 
 # DDP's start-up broadcast can be switched off from torch 2.6; older releases still broadcast.
 _NO_INIT_SYNC = {"init_sync": False} if "init_sync" in inspect.signature(DDP.__init__).parameters else {}
-# Re-sending the buffers before each step's forward: ``forward_sync_buffers`` from the torch release that
-# deprecated ``broadcast_buffers`` (which then warns on every run).
-_SYNC_BUFFERS_KEY = (
+# Not re-sending the buffers before each step's forward: ``forward_sync_buffers=False`` from the torch release
+# that deprecated ``broadcast_buffers`` (which then warns on every run); ``broadcast_buffers=True`` keeps
+# DDP's long-standing behaviour when asked for.
+_NO_FORWARD_SYNC = (
     "forward_sync_buffers"
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
     else "broadcast_buffers"
 )
+
+
+def _buffer_sync(broadcast_buffers: bool) -> dict[str, bool]:
+    return {"broadcast_buffers": True} if broadcast_buffers else {_NO_FORWARD_SYNC: False}
 
 
 def _comm_hook(cfg: ParallelConfig, env: DistEnv, counter: CommCounter) -> tuple[Any, Any]:
