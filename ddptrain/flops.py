@@ -279,8 +279,14 @@ class UncountedFlops:
         return 0
 
 
-def build_model_flops(loss_module: nn.Module) -> ModelFlops | UncountedFlops:
-    """The model's FLOP count, or, for an architecture it cannot read, a warning and no count (training goes on)."""
+def build_model_flops(loss_module: nn.Module, enabled: bool = True) -> ModelFlops | UncountedFlops:
+    """The model's FLOP count, or, for an architecture it cannot read, a warning and no count (training goes on).
+
+    Args:
+        enabled: trainer.timing; without it nothing reads the count, so none is made or kept per micro-batch.
+    """
+    if not enabled:
+        return UncountedFlops()
     try:
         return ModelFlops.from_model(loss_module)
     except (ValueError, AttributeError) as err:

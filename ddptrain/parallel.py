@@ -219,15 +219,12 @@ def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: Com
 
 
 # DDP's start-up broadcast can be switched off from torch 2.6; older releases still broadcast.
-_NO_INIT_SYNC = {"init_sync": False} if "init_sync" in inspect.signature(DDP.__init__).parameters else {}
+_DDP_PARAMETERS = inspect.signature(DDP.__init__).parameters
+_NO_INIT_SYNC = {"init_sync": False} if "init_sync" in _DDP_PARAMETERS else {}
 # Not re-sending the buffers before each step's forward: ``forward_sync_buffers=False`` from the torch release
 # that deprecated ``broadcast_buffers`` (which then warns on every run); ``broadcast_buffers=True`` keeps
 # DDP's long-standing behaviour when asked for.
-_NO_FORWARD_SYNC = (
-    "forward_sync_buffers"
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-    else "broadcast_buffers"
-)
+_NO_FORWARD_SYNC = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMETERS else "broadcast_buffers"
 
 
 def _buffer_sync(broadcast_buffers: bool) -> dict[str, bool]:

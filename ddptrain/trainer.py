@@ -65,7 +65,7 @@ class Trainer:
         self.autocast = partial(autocast, cfg.trainer.precision, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.trainer.precision == DType.fp16)
         self.window = Window()
-        self.flops = build_model_flops(self.loss_module)
+        self.flops = build_model_flops(self.loss_module, enabled=cfg.trainer.timing)
         self.peak_tflops = peak_tflops(env.device, cfg.trainer.precision, cfg.trainer.peak_tflops)
         self.profiler = profiling.build_profiler(cfg.trainer, env, run_dir, self.clock)
         self.metrics = build_metrics_logger(env.is_rank_zero, run_dir, cfg.logger, config_as_dict(cfg))

@@ -24,19 +24,10 @@ from ddptrain.config import Attention, Batching, DataConfig, DType, ModelConfig
 from ddptrain.data import RowEncoder, build_collator
 from ddptrain.flops import ModelFlops, lookup_peak_tflops, peak_tflops
 from ddptrain.model import CausalLMLoss, build_model, build_tokenizer
-from tests.conftest import REPO, compose_config
+from tests.conftest import compose_config
+from tests.unit.test_model import CPU, TINY_INSTRUCT, one_thread  # noqa: F401  (one_thread: autouse fixture)
 
-CPU = torch.device("cpu")
-TINY_INSTRUCT = REPO / "ddptrain" / "assets" / "tiny_instruct.jsonl"
 TOLERANCE = 1e-4  # relative; measured: 0 in every case
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
