@@ -9,7 +9,7 @@ TORCH_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint format bench-samplers bench-throughput bench-timing bench-data gpu-check clean
+.PHONY: setup train test lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data gpu-check clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,9 @@ bench-timing: setup  ## what trainer.timing costs: the same job timed and untime
 	$(BIN)/python -m ddptrain.bench.throughput --data ../shared/data/alpaca/alpaca_data_52k.jsonl \
 		--tokenizer ../shared/data/tokenizers/qwen2 --steps 30 --warmup 5 --repeats 4 \
 		--variants ddptrain:length_grouped,untimed:length_grouped
+
+bench-sweep: setup  ## a 2-job sweep one job after another vs hydra/launcher=parallel, interleaved
+	$(BIN)/python -m ddptrain.bench.sweep --repeats 3 --steps 300
 
 bench-data: setup
 	$(BIN)/python -m ddptrain.bench.data_prep --data ../shared/data/alpaca/alpaca_data_52k.jsonl \

@@ -9,22 +9,15 @@ import sys
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
 
 from ddptrain import launch
-from ddptrain.config import ConfigError, register_configs, to_run_config
+from ddptrain.config import register_configs
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
-@hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")
-def hydra_main(dict_cfg: DictConfig) -> float | None:
-    try:
-        cfg = to_run_config(dict_cfg)
-    except ConfigError as err:
-        sys.exit(f"ddptrain: invalid configuration:\n{err}")
-    return launch.run(cfg, Path(HydraConfig.get().runtime.output_dir))
+# Hydra's task function lives in launch.py: a parallel sweep hands it to the process that runs each job.
+hydra_main = hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")(launch.hydra_job)
 
 
 def main() -> None:

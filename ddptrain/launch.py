@@ -32,13 +32,15 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddptrain import hangs, signals
-from ddptrain.config import ConfigError, RunConfig, resolve_global_batch_size, to_yaml
+from ddptrain.config import ConfigError, RunConfig, resolve_global_batch_size, to_run_config, to_yaml
 from ddptrain.started import Start
+from ddptrain.sweep.devices import compact_ranges, visible_cpus
 
 if TYPE_CHECKING:  # metrics loads torch: only once the config is valid (see `run`)
     from ddptrain.metrics import Console, NullConsole
@@ -69,6 +71,36 @@ def hydra_argv(argv: list[str], start: Start | None = None) -> list[str]:
     if start.makes_run_folder:
         return argv
     return [*argv, "hydra.output_subdir=null", "hydra.run.dir=."]
+
+
+def hydra_job(dict_cfg: Any) -> float | None:
+    """The function Hydra runs for ``python -m ddptrain``: one run, or one job of a multirun.
+
+    A module-level function (not ``__main__``'s), so a parallel sweep can hand it to the process that runs a job.
+    In a multirun each job goes through ``sweep.jobs.run_sweep_job``: a job finished by an earlier run of the same
+    sweep is skipped, a failed one (an invalid config included) lets the sweep go on, and ``job.json`` records it.
+
+    Returns:
+        The final training loss (what Hydra's sweepers optimise), None when there is none.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return run(_validated(dict_cfg), run_dir)
+    from ddptrain.sweep.jobs import run_sweep_job
+
+    overrides = list(hydra_cfg.overrides.task)
+    return run_sweep_job(lambda: run(_validated(dict_cfg), run_dir), run_dir, overrides, int(hydra_cfg.job.num))
+
+
+def _validated(dict_cfg: Any) -> RunConfig:
+    try:
+        return to_run_config(dict_cfg)
+    except ConfigError as err:
+        sys.exit(f"ddptrain: invalid configuration:\n{err}")
 
 
 def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
@@ -107,7 +139,7 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
         )
     run_dir = hydra_dir
     if start.elastic:
-        run_dir = _torchrun_run_dir(hydra_dir, Path(cfg.trainer.output_dir), start, console)
+        start, run_dir = _torchrun_round(cfg, hydra_dir, start, console)
         result = worker(cfg, str(run_dir), None, start)
     elif (cfg.parallel.nproc_per_node or 1) == 1:
         result = worker(cfg, str(run_dir), None, start)
@@ -134,12 +166,35 @@ def _check_torchrun_size(nproc_per_node: int | None, started: int) -> None:
         )
 
 
+def _torchrun_round(
+    cfg: RunConfig, hydra_dir: Path, start: Start, console: Console | NullConsole
+) -> tuple[Start, Path]:
+    """This rank's start with the job's round as its attempt, and the run folder, both kept across
+    ``--max-restarts`` restarts on every node (``parallel.torchrun_round``; ``_torchrun_run_dir`` where
+    torchrun's agents keep no store for the job)."""
+    from ddptrain import parallel
+
+    timeout = timedelta(seconds=cfg.parallel.timeout_s)
+    found = parallel.torchrun_round(start.rank, start.world_size, hydra_dir, timeout)
+    if found is None:
+        return start, _torchrun_run_dir(hydra_dir, Path(cfg.trainer.output_dir), start, console)
+    round_, run_dir = found
+    if run_dir != hydra_dir and hydra_dir.is_dir() and set(os.listdir(hydra_dir)) <= {".hydra"}:
+        # Rank 0 on a node whose own workers were healthy: its agent restarted them for the new round without
+        # counting a restart, so Hydra made a new folder. The run goes on in round 0's.
+        shutil.rmtree(hydra_dir, ignore_errors=True)
+    return replace(start, restart_count=round_), run_dir
+
+
 def _torchrun_run_dir(hydra_dir: Path, output_dir: Path, start: Start, console: Console | NullConsole) -> Path:
     """The run directory under torchrun, kept across ``--max-restarts`` restarts.
 
     A restarted group must find its own checkpoints (trainer.resume=auto), but Hydra would
-    pick a new timestamped folder; rank 0 of the first attempt leaves its folder's name in
-    ``<trainer.output_dir>/.torchrun/<rendezvous id>`` for the restarts to read.
+    pick a new timestamped folder. Where torchrun's agents keep a store for the job (the default), the
+    first round's rank 0 leaves its folder there (``parallel.torchrun_round``). Otherwise
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) rank 0 of the first attempt leaves its folder's name in
+    ``<trainer.output_dir>/.torchrun/<rendezvous id>`` for the restarts to read: give every such job
+    its own ``--rdzv-id``.
     """
     marker = output_dir / ".torchrun" / start.run_id
     if start.restart_count > 0 and marker.is_file():
@@ -347,7 +402,10 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
         setup_logging(env.rank, agreed)
         console = build_console(env.is_rank_zero)
         console.write_file(agreed / "config.yaml", to_yaml(cfg))
-        log.info("rank %d of %d on %s (%s)", env.rank, env.world_size, env.device, env.backend)
+        log.info(
+            "rank %d of %d on %s (%s), %d thread(s) on cores %s",
+            *(env.rank, env.world_size, env.device, env.backend, torch.get_num_threads(), _cores()),
+        )
         hangs.board.enter("build_model")
         with _watching_for_hangs(cfg, env, hang_dir, start.restart_count):
             trainer = Trainer(cfg, env, agreed)
@@ -363,6 +421,11 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
         # The process exits next: skip the garbage collections of interpreter shutdown, seconds
         # with torch and transformers loaded (measured 2.9 s -> 0.4 s), which delay a stop by signal.
         gc.freeze()
+
+
+def _cores() -> str:
+    """The cores this process may run on, as ``0-3,8`` (a parallel sweep gives each job its own)."""
+    return compact_ranges(visible_cpus())
 
 
 def _watching_for_hangs(

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -87,12 +88,56 @@ def init_distributed(
     return DistEnv(start.rank, start.local_rank, start.world_size, start.local_world_size, torch_device, backend)
 
 
+# Keys of torchrun's agent store that ddptrain keeps for a job across its restarts (see torchrun_round).
+_ARRIVALS_KEY, _RUN_DIR_KEY = "ddptrain/arrivals", "ddptrain/run_dir"
+
+
+def torchrun_round(rank: int, world_size: int, run_dir: Path, timeout: timedelta) -> tuple[int, Path] | None:
+    """Under torchrun: which round of the job this is, and the first round's run folder.
+
+    A job restarts (``--max-restarts``) as a new rendezvous round, and every round forms its process group over the
+    same agent store, so the group's keys need a per-round prefix. torchrun's restart count cannot give it on
+    several nodes: an agent whose own workers were healthy restarts them for the new round without counting a
+    restart, so its workers would look for last round's keys while the failed node's look for this round's (the
+    group never forms). Instead every worker counts itself in on the agent store as it starts, and the round is its
+    arrival number divided by the world size: the same on every rank of a round. Rank 0 of round 0 leaves its run
+    folder in the same store, where a later round's rank 0 (on whichever node) finds it.
+
+    Args:
+        rank: this worker's global rank.
+        world_size: all workers of the job, every node.
+        run_dir: this process's run folder (rank 0's Hydra folder).
+        timeout: for the store.
+
+    Returns:
+        (round, the run folder rank 0 uses: round 0's); None when torchrun's agents keep no store for the job
+        (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: every round gets a new store).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    round_ = (store.add(_ARRIVALS_KEY, 1) - 1) // world_size
+    if rank != 0:
+        return round_, run_dir
+    if round_ == 0:
+        store.set(_RUN_DIR_KEY, str(run_dir))
+        return round_, run_dir
+    return round_, Path(store.get(_RUN_DIR_KEY).decode())
+
+
 def _rendezvous_store(rank: int, store_port: int | None, timeout: timedelta, attempt: int) -> dist.Store:
     """The store the group forms over, namespaced by restart attempt.
 
     Self-launch: the launcher's store on 127.0.0.1. torchrun: MASTER_ADDR:MASTER_PORT, which the
     elastic agent hosts and keeps across ``--max-restarts``; without the per-attempt prefix a
     restarted group reads the dead group's addresses and gloo fails with "Connection refused".
+    ``attempt`` is the restart count (self-launch) or the job's round (torchrun: ``torchrun_round``).
     """
     if store_port is not None:
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -219,3 +221,52 @@ def test_only_rank_zero_writes_in_the_run_directory(tmp_path, rank1_writes) -> N
     for written in ("config.yaml", "train.log", "metrics.jsonl", "checkpoints/step-00000004/manifest.json"):
         assert (run_dir / written).is_file(), written
     assert "base_model.model" in next(iter(final_weights(run_dir))), "rank 0's adapter was replaced"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_torchrun_nodes_train_one_run_and_survive_a_killed_worker(tmp_path, uninterrupted_restart_run) -> None:
+    """Two torchrun agents on 127.0.0.1 (--nnodes 2, one process each) form one job through the c10d rendezvous, as
+    two machines would; one agent's worker is SIGKILLed mid-run, --max-restarts 1 restarts the group on both, and
+    the run resumes from its last checkpoint in its one run folder, ending bit-identical to a 2-process run that was
+    never interrupted."""
+    out = tmp_path / "run"
+    rendezvous = [
+        "--rdzv-backend",
+        "c10d",
+        f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        f"--rdzv-id={uuid.uuid4().hex}",
+    ]
+    agent = [TORCHRUN[0], "--nnodes", "2", "--nproc_per_node", "1", *rendezvous, "--max-restarts", "1"]
+    command = [*agent, "-m", "ddptrain", "parallel=auto", *RESTART_ARGS, f"trainer.output_dir={out}"]
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    nodes = [
+        subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    killed = False
+    try:
+        deadline = time.monotonic() + 180
+        while not killed and time.monotonic() < deadline and all(n.poll() is None for n in nodes):
+            dirs = run_dirs(out) if out.exists() else []
+            if dirs and (dirs[0] / "metrics.jsonl").exists():
+                steps = [r["step"] for r in read_written_metrics(dirs[0]) if "loss" in r]
+                if steps and steps[-1] >= 12:
+                    for pid in _worker_pids(nodes[1].pid):
+                        os.kill(pid, signal.SIGKILL)
+                    killed = True
+            time.sleep(0.02)
+        outputs = [n.communicate(timeout=240)[0] for n in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert killed, "the run ended before a worker could be killed"
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    (run,) = run_dirs(out)
+    assert_bit_identical(final_weights(run), final_weights(uninterrupted_restart_run))
+    assert "resumed from" in (run / "train.log").read_text()
+    assert read_metrics(run)[-1]["step"] == 60

@@ -291,8 +291,11 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, launcher) -> None:
     (run_dir,) = run_dirs(out)
     assert not list(run_dir.glob("checkpoints/step-*")), "an aborted run saves nothing"
     if launcher == "torchrun":
-        # torchrun ends with its own SignalException (twice, chained); the workers print no traceback.
-        assert run.proc.returncode == 1, output[-3000:]
+        # torchrun ends with its own SignalException (twice, chained); the workers print no traceback. Its exit
+        # code is torchrun's own: 1, or now and then SIGABRT, when the second SignalException interrupts its
+        # agent's shutdown and a C++ thread of torchrun's is destroyed still running ("terminate called without
+        # an active exception", seen in CI). Which of the two it is says nothing about ddptrain's workers.
+        assert run.proc.returncode in (1, -signal.SIGABRT), output[-3000:]
         assert "KeyboardInterrupt" not in output, output[-5000:]
         assert output.count("Traceback") == output.count("SignalException: Process"), output[-5000:]
     else:

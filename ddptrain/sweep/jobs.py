@@ -1,0 +1,161 @@
+"""One job of a sweep: its record (``job.json`` in its folder), and what running it again means.
+
+Every job of a multirun, whichever launcher starts it, runs through ``run_sweep_job``, which keeps
+``<job folder>/job.json`` up to date: its overrides, its status (``running``, ``finished``, ``failed``,
+``stopped``, ``aborted``), when it started and ended, its wall time over every attempt, its final loss and, for a
+failure, the error. That record is what makes a sweep resumable and reportable:
+
+- run the same multirun again with the same ``hydra.sweep.dir`` and a finished job is skipped (its record says
+  so: ``skipped``), while an interrupted one trains again in its own folder, where ``trainer.resume=auto`` (the
+  default) continues from its last checkpoint;
+- the sweep report reads the records (``ddptrain/sweep/report.py``), also while the sweep is still running, or
+  after it was killed (a ``running`` record whose process is gone is ``interrupted``).
+
+A job that fails raises ``JobFailed``, an ordinary exception, so Hydra records it and the sweep goes on with the
+next job; a job stopped by SIGTERM or Ctrl-C stops the whole sweep (the user asked it to stop), exiting as a
+stopped run does. Standard library only: the report reads records without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ddptrain import signals
+
+log = logging.getLogger(__name__)
+
+JOB_FILE = "job.json"
+RUNNING, FINISHED, FAILED, STOPPED, ABORTED = "running", "finished", "failed", "stopped", "aborted"
+INTERRUPTED = "interrupted"  # read only: a running record whose process is gone
+
+
+class JobFailed(RuntimeError):
+    """A sweep job failed; the message says which job, why, and where its output is."""
+
+
+def read_record(job_dir: Path) -> dict[str, Any] | None:
+    """The job's record, or None when it has none (or an unreadable one: it is written again)."""
+    try:
+        return json.loads((Path(job_dir) / JOB_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def write_record(job_dir: Path, record: dict[str, Any]) -> None:
+    """Write ``job.json`` atomically: a report reading it at the same moment sees the old or the new one."""
+    path = Path(job_dir) / JOB_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{JOB_FILE}.{os.getpid()}")
+    partial.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, path)
+
+
+def status_of(record: dict[str, Any] | None) -> str | None:
+    """The record's status, with a ``running`` job whose process no longer exists read as ``interrupted``."""
+    if record is None:
+        return None
+    here = record.get("host") == socket.gethostname()
+    if record.get("status") == RUNNING and here and not _alive(int(record.get("pid", -1))):
+        return INTERRUPTED
+    return record.get("status")
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
+def run_sweep_job(train: Callable[[], float | None], job_dir: Path, overrides: list[str], num: int) -> float | None:
+    """Run one sweep job, or skip it when its folder holds the same job, finished.
+
+    Args:
+        train: runs the job (``launch.run`` on its config) and returns its final loss.
+        job_dir: the job's folder (Hydra's output dir for it): also its run folder.
+        overrides: the job's overrides (``hydra.overrides.task``), which identify it.
+        num: the job's number in the sweep (``hydra.job.num``).
+
+    Returns:
+        The final loss: this run's, or the recorded one of a finished job that was skipped.
+
+    Raises:
+        JobFailed: the job failed, or its folder holds a different job (another sweep's).
+        SystemExit: the job was stopped (exit code 75) or aborted (130): the sweep ends too.
+    """
+    job_dir = Path(job_dir)
+    previous = read_record(job_dir)
+    if previous is not None and previous.get("overrides") != overrides:
+        raise JobFailed(
+            f"job {num}: {job_dir} holds a job with other overrides ({' '.join(previous.get('overrides', []))}) "
+            f"than this one ({' '.join(overrides)}): rerun with the same command to resume that sweep, or give "
+            "this one a folder of its own (hydra.sweep.dir=...)."
+        )
+    if previous is not None and previous.get("status") == FINISHED:
+        log.warning("job %d (%s) finished in an earlier run of this sweep: skipped", num, " ".join(overrides))
+        write_record(job_dir, {**previous, "skipped": True})
+        return previous.get("loss")
+    record = _started(job_dir, overrides, num, previous)
+    write_record(job_dir, record)
+    try:
+        loss = train()
+    except SystemExit as stop:
+        _ended_by_exit(job_dir, record, stop)
+    except Exception as err:
+        _ended(job_dir, record, FAILED, error=f"{type(err).__name__}: {err}")
+        raise
+    _ended(job_dir, record, FINISHED, loss=loss)
+    return loss
+
+
+def _started(job_dir: Path, overrides: list[str], num: int, previous: dict[str, Any] | None) -> dict[str, Any]:
+    earlier = previous or {}
+    return {
+        "num": num,
+        "overrides": overrides,
+        "status": RUNNING,
+        "attempt": int(earlier.get("attempt", 0)) + 1,
+        # An earlier attempt left a checkpoint: trainer.resume=auto continues from it.
+        "resumed": (job_dir / "checkpoints" / "latest").is_file(),
+        "skipped": False,
+        "started_at": time.time(),
+        "earlier_wall_s": float(earlier.get("wall_s", 0.0)),
+        "wall_s": float(earlier.get("wall_s", 0.0)),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+
+
+def _ended(job_dir: Path, record: dict[str, Any], status: str, **fields: Any) -> None:
+    ended = time.time()
+    wall = record["earlier_wall_s"] + ended - record["started_at"]
+    record.update(status=status, ended_at=ended, wall_s=wall, **fields)
+    with contextlib.suppress(OSError):  # a full disk must not hide the job's own error
+        write_record(job_dir, record)
+
+
+def _ended_by_exit(job_dir: Path, record: dict[str, Any], stop: SystemExit) -> None:
+    """The job called sys.exit: finished (0), stopped or aborted (end the sweep too), or failed (go on)."""
+    code = stop.code
+    if code in (None, 0):
+        _ended(job_dir, record, FINISHED, loss=None)
+        return
+    if code in (signals.STOPPED_EXIT_CODE, signals.ABORTED_EXIT_CODE):
+        _ended(job_dir, record, STOPPED if code == signals.STOPPED_EXIT_CODE else ABORTED)
+        raise stop
+    message = code if isinstance(code, str) else f"exit code {code}"
+    _ended(job_dir, record, FAILED, error=message)
+    raise JobFailed(f"job {record['num']} ({' '.join(record['overrides'])}) failed: {message}") from None

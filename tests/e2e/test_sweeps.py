@@ -1,0 +1,188 @@
+"""Sweeps through the real entrypoint: jobs side by side on disjoint cores (``hydra/launcher=parallel``), a failed
+job that lets the others finish, the sweep report, and a killed sweep that resumes where it stopped."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from safetensors.torch import load_file
+
+from ddptrain.sweep.report import COLUMNS
+from tests.conftest import REPO, RUN_TAG, assert_no_process_left, read_metrics, run_ddptrain
+
+pytestmark = pytest.mark.e2e
+
+TINY_DATA = REPO / "ddptrain" / "assets" / "tiny_instruct.jsonl"
+QUIET = ["trainer.progress_bar=false", "data.eval_fraction=0.02"]
+
+
+def sweep_args(sweep_dir: Path, *args: str) -> list[str]:
+    return ["-m", *args, *QUIET, f"trainer.output_dir={sweep_dir.parent}", f"hydra.sweep.dir={sweep_dir}"]
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    return sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: int(p.name.split("_")[0]))
+
+
+def stamp(line: str) -> datetime:
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+
+
+def training_interval(job: Path) -> tuple[datetime, datetime]:
+    """From the job's own train.log: the line that starts the training loop, and the last line of a step."""
+    lines = (job / "train.log").read_text().splitlines()
+    start = next(line for line in lines if "ddptrain.trainer: training " in line)
+    end = [line for line in lines if "ddptrain.checkpoint: saved checkpoint" in line][-1]
+    return stamp(start), stamp(end)
+
+
+def cores_of(job: Path) -> str:
+    (line,) = [line for line in (job / "train.log").read_text().splitlines() if "rank 0 of " in line]
+    return re.search(r"on cores (\S+)", line).group(1)
+
+
+def expand(cores: str) -> list[int]:
+    """``0-2,5`` -> [0, 1, 2, 5]."""
+    found = []
+    for part in cores.split(","):
+        low, _, high = part.partition("-")
+        found += range(int(low), int(high or low) + 1)
+    return found
+
+
+def test_a_parallel_sweep_runs_its_jobs_at_the_same_time_on_their_own_cores(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["hydra/launcher=parallel", "parallel=single", "optim.lr=0.001,0.002", "trainer.max_steps=40"]
+    result = run_ddptrain(sweep_args(sweep, *args, "data.max_rows=300"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = job_dirs(sweep)
+    assert [j.name for j in jobs] == ["0_optim.lr=0.001", "1_optim.lr=0.002"]
+    for job in jobs:
+        assert [r["step"] for r in read_metrics(job) if "loss" in r][-1] == 40
+        assert (job / "adapter").is_dir()
+    (a_start, a_end), (b_start, b_end) = (training_interval(j) for j in jobs)
+    assert a_start < b_end and b_start < a_end, (
+        f"the jobs trained one after another: {a_start}-{a_end}, {b_start}-{b_end}"
+    )
+    cores = [cores_of(j) for j in jobs]
+    assert cores[0] != cores[1] and not set(expand(cores[0])) & set(expand(cores[1])), f"shared cores: {cores}"
+    assert "2 jobs, 2 at a time" in result.stdout + result.stderr
+
+
+def write_rows(path: Path, rows: int, bad_line: bool = False) -> Path:
+    lines = TINY_DATA.read_text().splitlines()[:rows]
+    if bad_line:
+        lines.insert(rows // 2, '{"instruction": not json')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_parallel_sweep_of_ddp_jobs_survives_a_failed_job_and_reports_every_job(tmp_path) -> None:
+    files = [write_rows(tmp_path / f"rows{i}.jsonl", 240 + 20 * i) for i in range(3)]
+    files.insert(2, write_rows(tmp_path / "broken.jsonl", 240, bad_line=True))
+    sweep = tmp_path / "sweep"
+    paths = ",".join(str(f) for f in files)
+    args = ["hydra/launcher=parallel", "hydra.launcher.jobs=2", "parallel=ddp2", f"data.path={paths}"]
+    result = run_ddptrain(sweep_args(sweep, *args, "trainer.max_steps=6", "parallel.timeout_s=60"))
+    assert result.returncode != 0, "a failed job makes the sweep fail"
+    output = result.stdout + result.stderr
+    assert f"1 of 4 jobs failed: job 2 in {sweep}/2_data.path=" in output, output[-3000:]
+    jobs = job_dirs(sweep)
+    assert len(jobs) == 4
+    for i, job in enumerate(jobs):
+        output = (job / "output.log").read_text()
+        assert ("ValueError" in output) == (i == 2), output[-2000:]
+        assert (job / "adapter").is_dir() == (i != 2), "every other job finished"
+    ports = [re.search(r"store on 127\.0\.0\.1:(\d+)", (j / "output.log").read_text()).group(1) for j in jobs]
+    assert len(set(ports)) == 4, f"each job its own port: {ports}"
+
+    with (sweep / "report.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == list(COLUMNS) and len(table) == 4
+    by_job = {int(row["job"]): row for row in table}
+    assert by_job[2]["status"] == "failed" and table[-1]["job"] == "2", "the failure is marked and ranked last"
+    for job in (0, 1, 3):
+        row = by_job[job]
+        logged = [r for r in read_metrics(jobs[job]) if "loss" in r][-1]
+        assert (
+            row["status"] == "finished" and row["steps"] == "6" and float(row["loss"]) == pytest.approx(logged["loss"])
+        )
+        assert float(row["tokens_per_s"]) > 0 and float(row["mem_peak_gb"]) > 0 and float(row["wall_s"]) > 0
+    assert "failed: rank " in (sweep / "report.md").read_text()
+    for name in ("loss_curves.png", "throughput_memory.png"):
+        with Image.open(sweep / name) as image:
+            image.verify()
+
+    written = {name: (sweep / name).read_text() for name in ("report.csv", "report.md")}
+    for name in written:
+        (sweep / name).unlink()
+    again = subprocess.run([sys.executable, "-m", "ddptrain.report", str(sweep)], capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert {name: (sweep / name).read_text() for name in written} == written, "the command and the callback agree"
+
+
+RESUMABLE = ["parallel=single", "optim.lr=0.001,0.002,0.003", "trainer.max_steps=12", "trainer.save_every_n_steps=4"]
+RESUMABLE += ["data.max_rows=300", "trainer.log_every_n_steps=1"]
+
+
+def adapters(sweep: Path) -> list[dict]:
+    return [load_file(str(j / "adapter" / "adapter_model.safetensors")) for j in job_dirs(sweep)]
+
+
+def test_a_killed_sweep_run_again_skips_what_finished_and_resumes_the_rest(tmp_path) -> None:
+    reference = tmp_path / "reference"
+    result = run_ddptrain(sweep_args(reference, *RESUMABLE))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "-m", "ddptrain", *sweep_args(sweep, *RESUMABLE), "trainer.device=cpu"]
+    tag = f"resumable-sweep-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env={**os.environ, RUN_TAG: tag},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    second_job_checkpoint = None
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = list(sweep.glob("1_*/checkpoints/step-00000004/manifest.json")) if sweep.exists() else []
+            if found:
+                second_job_checkpoint = found[0]
+                break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # as a crash or a lost node would: nothing gets to save
+        proc.wait(timeout=30)
+    assert second_job_checkpoint is not None, "the sweep never reached its second job's first checkpoint"
+    assert_no_process_left(tag)
+    assert not (job_dirs(sweep)[1] / "adapter").exists(), "killed before the second job finished"
+
+    rerun = run_ddptrain(sweep_args(sweep, *RESUMABLE))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    first, second, _third = job_dirs(sweep)
+    starts = re.findall(r"training 12 steps on 1 ranks, from step (\d+)", (second / "train.log").read_text())
+    assert len(starts) == 2 and starts[0] == "0" and int(starts[1]) >= 4, f"the second attempt resumed: {starts}"
+    report = (sweep / "report.md").read_text()
+    assert "job 0 (`0_optim.lr=0.001`): skipped: finished in an earlier run of this sweep" in report
+    assert "job 1 (`1_optim.lr=0.002`): resumed from its last checkpoint (attempt 2)" in report
+    assert "| 2 | optim.lr=0.003 | finished | 12/12 |" in report and "job 2 (`2_optim.lr=0.003`)" not in report
+    assert (first / "train.log").read_text().count("ddptrain.trainer: training 12 steps") == 1, "not trained again"
+
+    for got, want in zip(adapters(sweep), adapters(reference)):
+        assert got.keys() == want.keys()
+        assert all((got[k] == want[k]).all() for k in got), "resumed sweep differs from the uninterrupted one"

@@ -1,0 +1,79 @@
+"""A sweep job's record (job.json): a finished job is skipped on a rerun, a failure lets the sweep go on, a stop
+ends it, and a folder holding another job is refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ddptrain import signals
+from ddptrain.sweep import jobs
+
+OVERRIDES = ["optim.lr=0.001", "trainer.max_steps=5"]
+
+
+def test_a_finished_job_is_skipped_when_the_sweep_runs_again(tmp_path) -> None:
+    calls = []
+    assert jobs.run_sweep_job(lambda: calls.append(1) or 2.5, tmp_path, OVERRIDES, 0) == 2.5
+    first = jobs.read_record(tmp_path)
+    assert first["status"] == "finished" and first["loss"] == 2.5 and not first["skipped"]
+    assert jobs.run_sweep_job(lambda: calls.append(1) or 9.9, tmp_path, OVERRIDES, 0) == 2.5
+    assert calls == [1], "the second run did not train again"
+    again = jobs.read_record(tmp_path)
+    assert again["skipped"] and again["wall_s"] == first["wall_s"]
+
+
+def test_an_interrupted_job_trains_again_and_says_it_resumed(tmp_path) -> None:
+    jobs.write_record(tmp_path, {"overrides": OVERRIDES, "status": "running", "attempt": 1, "wall_s": 4.0})
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step-00000004\n")
+    assert jobs.run_sweep_job(lambda: 1.0, tmp_path, OVERRIDES, 3) == 1.0
+    record = jobs.read_record(tmp_path)
+    assert record["status"] == "finished" and record["resumed"] and record["attempt"] == 2
+    assert record["wall_s"] >= 4.0, "the wall time adds up every attempt"
+
+
+def test_a_folder_holding_another_job_is_refused(tmp_path) -> None:
+    jobs.run_sweep_job(lambda: 1.0, tmp_path, OVERRIDES, 0)
+    with pytest.raises(jobs.JobFailed, match=r"other overrides .*hydra\.sweep\.dir"):
+        jobs.run_sweep_job(lambda: 1.0, tmp_path, ["optim.lr=0.002", "trainer.max_steps=5"], 0)
+
+
+def test_a_failure_is_recorded_and_raised_as_an_exception_the_sweep_survives(tmp_path) -> None:
+    def fails() -> float:
+        sys.exit("ddptrain: training failed:\n  rank 1 (exit code 1): ValueError: bad row")
+
+    with pytest.raises(jobs.JobFailed, match=r"rank 1 .*bad row") as caught:
+        jobs.run_sweep_job(fails, tmp_path, OVERRIDES, 2)
+    assert not isinstance(caught.value, SystemExit)
+    record = jobs.read_record(tmp_path)
+    assert record["status"] == "failed" and "ValueError: bad row" in record["error"]
+
+
+def test_an_exception_is_recorded_and_raised_unchanged(tmp_path) -> None:
+    def fails() -> float:
+        raise ValueError("data.path=x.jsonl:3: not valid JSON")
+
+    with pytest.raises(ValueError, match="not valid JSON"):
+        jobs.run_sweep_job(fails, tmp_path, OVERRIDES, 0)
+    assert jobs.read_record(tmp_path)["error"] == "ValueError: data.path=x.jsonl:3: not valid JSON"
+
+
+@pytest.mark.parametrize(
+    ("code", "status"), [(signals.STOPPED_EXIT_CODE, "stopped"), (signals.ABORTED_EXIT_CODE, "aborted")]
+)
+def test_a_stop_by_signal_ends_the_sweep(tmp_path, code, status) -> None:
+    with pytest.raises(SystemExit) as caught:
+        jobs.run_sweep_job(lambda: sys.exit(code), tmp_path, OVERRIDES, 0)
+    assert caught.value.code == code
+    assert jobs.read_record(tmp_path)["status"] == status
+
+
+def test_a_running_record_whose_process_is_gone_reads_as_interrupted(tmp_path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    record = {"status": "running", "pid": int(gone.stdout), "host": jobs.socket.gethostname()}
+    assert jobs.status_of(record) == "interrupted"
+    assert jobs.status_of({**record, "pid": jobs.os.getpid()}) == "running"
+    assert jobs.status_of({**record, "host": "another-node"}) == "running", "no way to tell on another host"
