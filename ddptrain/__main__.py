@@ -5,16 +5,17 @@ process (torchrun, or one process) or self-launches the workers. Exit codes: see
 """
 
 import gc
+import json
+import os
 import sys
 from pathlib import Path
 
 import hydra
 
 from ddptrain import launch
-from ddptrain.config import register_configs
+from ddptrain.config import COMMAND_LINE_ENV, register_configs
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-
 
 # Hydra's task function lives in launch.py: a parallel sweep hands it to the process that runs each job.
 hydra_main = hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")(launch.hydra_job)
@@ -23,6 +24,7 @@ hydra_main = hydra.main(config_path=CONF_DIR, config_name="train", version_base=
 def main() -> None:
     register_configs()
     sys.argv = launch.hydra_argv(sys.argv)  # before Hydra reads it
+    os.environ[COMMAND_LINE_ENV] = json.dumps(sys.argv)  # for the processes that run a sweep's jobs
     try:
         hydra_main()
     finally:

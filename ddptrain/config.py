@@ -14,6 +14,7 @@ torch is imported lazily for those cases alone.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -721,11 +722,17 @@ def _asset(name: str) -> str:
     return str(path)
 
 
+# ``python -m ddptrain``'s command line, for the processes that run a sweep's jobs and resolve their folder names
+# (``swept_overrides``): submitit's job processes have their own argv, and inherit the environment.
+COMMAND_LINE_ENV = "DDPTRAIN_COMMAND_LINE"
+
+
 def swept_overrides(task_overrides: list[str], argv: list[str] | None = None) -> str:
     """``${swept:${hydra.overrides.task}}``: a sweep job's folder name from the keys the command line sweeps.
 
-    ``key=value`` of each swept key, sorted, joined by commas; overrides that every job shares
-    (``trainer.progress_bar=false``) would only lengthen every name. A ``/`` in a value becomes ``_``, so a
+    ``key=value`` of each swept key (swept on the command line, or set by the sweeper: ``hydra.sweeper.params``,
+    an Optuna trial), sorted, joined by commas; overrides that every job shares (``trainer.progress_bar=false``)
+    would only lengthen every name. A ``/`` in a value becomes ``_``, so a
     swept path does not nest folders.
 
     Args:
@@ -735,12 +742,18 @@ def swept_overrides(task_overrides: list[str], argv: list[str] | None = None) ->
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    args = [a for a in (sys.argv if argv is None else argv)[1:] if not a.startswith("-")]
+    if argv is None:  # a job run by another process (submitit, a parallel sweep) reads its sweep's command line
+        argv = json.loads(os.environ[COMMAND_LINE_ENV]) if COMMAND_LINE_ENV in os.environ else sys.argv
+    # Overrides only: not the flags, nor the values some take (``--config-dir recipes``).
+    args = [a for a in argv[1:] if not a.startswith("-") and ("=" in a or a.startswith("~"))]
     try:
-        swept = {o.key_or_group for o in OverridesParser.create().parse_overrides(args) if o.is_sweep_override()}
+        parsed = OverridesParser.create().parse_overrides(args)
     except Exception:  # a command line Hydra itself will reject: it says why
-        return ",".join(sorted(task_overrides))
-    named = [o for o in task_overrides if o.split("=", 1)[0].lstrip("+~") in swept]
+        parsed = []
+    swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
+    given = {o.key_or_group for o in parsed}
+    # Swept on the command line, or set by the sweeper itself (hydra.sweeper.params, Optuna's trials).
+    named = [o for o in task_overrides if (key := o.split("=", 1)[0].lstrip("+~")) in swept or key not in given]
     return ",".join(sorted(named)).replace("/", "_")
 
 

@@ -81,7 +81,8 @@ def hydra_job(dict_cfg: Any) -> float | None:
     sweep is skipped, a failed one (an invalid config included) lets the sweep go on, and ``job.json`` records it.
 
     Returns:
-        The final training loss (what Hydra's sweepers optimise), None when there is none.
+        The run's ``objective``: the final eval loss, else the final training loss (what Hydra's sweepers
+        optimise); None when there is none.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -117,7 +118,7 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
             that make none, see ``hydra_argv``).
 
     Returns:
-        The final training loss (for Hydra's sweepers), None when the worker returned nothing.
+        The run's ``objective`` (for Hydra's sweepers), None when the worker returned nothing.
 
     Raises:
         SystemExit: parallel.nproc_per_node disagrees with torchrun's count, the self-launched
@@ -146,7 +147,15 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
     else:
         result = _self_launch(cfg, run_dir, console)
     _exit_if_stopped(result, run_dir, start, console)
-    return result.get("loss") if result else None
+    return objective(result)
+
+
+def objective(result: dict[str, Any] | None) -> float | None:
+    """What a run returns to Hydra (a sweeper such as Optuna minimises it): the final eval loss when the run
+    evaluates (``data.eval_fraction`` > 0 or ``data.eval_path``), else the last logged training loss."""
+    if not result:
+        return None
+    return result.get("eval_loss", result.get("loss"))
 
 
 def _with_global_batch_size(cfg: RunConfig, world_size: int) -> RunConfig:
@@ -179,11 +188,22 @@ def _torchrun_round(
     if found is None:
         return start, _torchrun_run_dir(hydra_dir, Path(cfg.trainer.output_dir), start, console)
     round_, run_dir = found
-    if run_dir != hydra_dir and hydra_dir.is_dir() and set(os.listdir(hydra_dir)) <= {".hydra"}:
-        # Rank 0 on a node whose own workers were healthy: its agent restarted them for the new round without
-        # counting a restart, so Hydra made a new folder. The run goes on in round 0's.
-        shutil.rmtree(hydra_dir, ignore_errors=True)
+    if run_dir != hydra_dir and start.makes_run_folder:
+        _remove_unused_hydra_folder(hydra_dir)
     return replace(start, restart_count=round_), run_dir
+
+
+def _remove_unused_hydra_folder(hydra_dir: Path) -> None:
+    """Rank 0 on a node whose own workers were healthy: its agent restarted them for a new round without counting a
+    restart, so Hydra made a new folder (holding only ``.hydra/``) while the run goes on in round 0's. Never the
+    working directory, never a folder with anything else in it."""
+    if hydra_dir.resolve() == Path.cwd().resolve() or not hydra_dir.is_dir():
+        return
+    if set(os.listdir(hydra_dir)) <= {".hydra"}:
+        shutil.rmtree(hydra_dir / ".hydra", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            hydra_dir.rmdir()
+        log.info("removed %s: this restart continues in the first round's run folder", hydra_dir)
 
 
 def _torchrun_run_dir(hydra_dir: Path, output_dir: Path, start: Start, console: Console | NullConsole) -> Path:

@@ -123,12 +123,37 @@ def torchrun_round(rank: int, world_size: int, run_dir: Path, timeout: timedelta
         wait_for_workers=False,
     )
     round_ = (store.add(_ARRIVALS_KEY, 1) - 1) // world_size
+    _check_round(store, round_, rank, world_size, timeout)
     if rank != 0:
         return round_, run_dir
     if round_ == 0:
         store.set(_RUN_DIR_KEY, str(run_dir))
         return round_, run_dir
+    if not store.check([_RUN_DIR_KEY]):
+        raise RuntimeError(
+            f"round {round_} of this torchrun job found no run folder from its first round in torchrun's store: "
+            "start the job again with trainer.resume=<run folder> to continue from its last checkpoint."
+        )
     return round_, Path(store.get(_RUN_DIR_KEY).decode())
+
+
+def _check_round(store: dist.Store, round_: int, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Every rank of the round counted itself in: the arrival count only holds while each round's workers all start
+    (one that died before it counted itself in leaves the next rounds out of step) and the world size stays fixed.
+
+    Raises:
+        RuntimeError: not every rank arrived in this round within ``parallel.timeout_s``, naming why.
+    """
+    store.set(f"ddptrain/round{round_}/rank{rank}", "1")
+    try:
+        store.wait([f"ddptrain/round{round_}/rank{r}" for r in range(world_size)], timeout)
+    except (RuntimeError, dist.DistStoreError):
+        raise RuntimeError(
+            f"rank {rank} is in round {round_} of this torchrun job, but not every rank of that round arrived within "
+            "parallel.timeout_s: a worker died before it joined a round, or the number of processes changed "
+            "(ddptrain needs the same --nnodes and --nproc_per_node on every restart). Start the job again "
+            "(trainer.resume=<run folder> continues from its last checkpoint)."
+        ) from None
 
 
 def _rendezvous_store(rank: int, store_port: int | None, timeout: timedelta, attempt: int) -> dist.Store:

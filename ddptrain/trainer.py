@@ -118,7 +118,7 @@ class Trainer:
                 by = last[signals.STOPPED_BY]
                 log.info("stopped by %s at step %d; resume with trainer.resume=%s", by, self.step, self.run_dir)
             else:
-                self.finish()
+                last = {**last, **self.finish()}
         return last
 
     def remaining_steps(self) -> Iterator[list[dict[str, Any]]]:
@@ -228,15 +228,15 @@ class Trainer:
         log.info("step %d: eval_loss %.4f", self.step, eval_loss)
         return eval_loss
 
-    def finish(self) -> None:
-        """Final evaluation, then the last checkpoint and the adapter (and a random base) from rank 0."""
+    def finish(self) -> dict[str, float]:
+        """Final evaluation (its ``eval_loss``, what a sweep's job returns), the last checkpoint and the adapter."""
         self.clock.enter("finish", self.step)
-        if self.data.eval is not None:
-            self.evaluate()
+        final = {"eval_loss": self.evaluate()} if self.data.eval is not None else {}
         if self.cfg.trainer.save_final:
             self.save()
             self.checkpointer.save_final(self.tokenizer, self.cfg.model, self.cfg.trainer.seed)
         parallel.barrier()
+        return final
 
     def save(self) -> None:
         self.clock.enter("save", self.step)

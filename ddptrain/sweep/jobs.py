@@ -2,8 +2,9 @@
 
 Every job of a multirun, whichever launcher starts it, runs through ``run_sweep_job``, which keeps
 ``<job folder>/job.json`` up to date: its overrides, its status (``running``, ``finished``, ``failed``,
-``stopped``, ``aborted``), when it started and ended, its wall time over every attempt, its final loss and, for a
-failure, the error. That record is what makes a sweep resumable and reportable:
+``stopped``, ``aborted``), when it started and ended, its wall time over every attempt, the ``objective`` it returned
+to Hydra (its final eval loss, else its final training loss) and, for a failure, the error. That record is what
+makes a sweep resumable and reportable:
 
 - run the same multirun again with the same ``hydra.sweep.dir`` and a finished job is skipped (its record says
   so: ``skipped``), while an interrupted one trains again in its own folder, where ``trainer.resume=auto`` (the
@@ -84,13 +85,13 @@ def run_sweep_job(train: Callable[[], float | None], job_dir: Path, overrides: l
     """Run one sweep job, or skip it when its folder holds the same job, finished.
 
     Args:
-        train: runs the job (``launch.run`` on its config) and returns its final loss.
+        train: runs the job (``launch.run`` on its config) and returns its objective (``launch.objective``).
         job_dir: the job's folder (Hydra's output dir for it): also its run folder.
         overrides: the job's overrides (``hydra.overrides.task``), which identify it.
         num: the job's number in the sweep (``hydra.job.num``).
 
     Returns:
-        The final loss: this run's, or the recorded one of a finished job that was skipped.
+        The objective: this run's, or the recorded one of a finished job that was skipped.
 
     Raises:
         JobFailed: the job failed, or its folder holds a different job (another sweep's).
@@ -98,7 +99,12 @@ def run_sweep_job(train: Callable[[], float | None], job_dir: Path, overrides: l
     """
     job_dir = Path(job_dir)
     previous = read_record(job_dir)
-    if previous is not None and previous.get("overrides") != overrides:
+    if previous is not None and status_of(previous) == RUNNING:
+        raise JobFailed(
+            f"job {num}: {job_dir} is in use by a running job (process {previous.get('pid')} on "
+            f"{previous.get('host')}): wait for it, or stop it, before running this sweep again."
+        )
+    if previous is not None and sorted(previous.get("overrides", [])) != sorted(overrides):
         raise JobFailed(
             f"job {num}: {job_dir} holds a job with other overrides ({' '.join(previous.get('overrides', []))}) "
             f"than this one ({' '.join(overrides)}): rerun with the same command to resume that sweep, or give "
@@ -106,37 +112,49 @@ def run_sweep_job(train: Callable[[], float | None], job_dir: Path, overrides: l
         )
     if previous is not None and previous.get("status") == FINISHED:
         log.warning("job %d (%s) finished in an earlier run of this sweep: skipped", num, " ".join(overrides))
-        write_record(job_dir, {**previous, "skipped": True})
-        return previous.get("loss")
+        write_record(job_dir, {**previous, "skipped": True, "resumed": False})
+        return previous.get("objective")
     record = _started(job_dir, overrides, num, previous)
     write_record(job_dir, record)
     try:
-        loss = train()
+        value = train()
     except SystemExit as stop:
         _ended_by_exit(job_dir, record, stop)
     except Exception as err:
         _ended(job_dir, record, FAILED, error=f"{type(err).__name__}: {err}")
         raise
-    _ended(job_dir, record, FINISHED, loss=loss)
-    return loss
+    _ended(job_dir, record, FINISHED, objective=value)
+    return value
 
 
 def _started(job_dir: Path, overrides: list[str], num: int, previous: dict[str, Any] | None) -> dict[str, Any]:
     earlier = previous or {}
+    wall = float(earlier.get("wall_s", 0.0))
+    if status_of(previous) == INTERRUPTED:  # killed: it never wrote its end, but its metrics say when it last worked
+        wall = _wall_until_last_write(job_dir, earlier)
     return {
         "num": num,
         "overrides": overrides,
         "status": RUNNING,
         "attempt": int(earlier.get("attempt", 0)) + 1,
-        # An earlier attempt left a checkpoint: trainer.resume=auto continues from it.
-        "resumed": (job_dir / "checkpoints" / "latest").is_file(),
+        # An earlier attempt left a complete checkpoint (its manifest is written last): trainer.resume=auto
+        # continues from it.
+        "resumed": any((job_dir / "checkpoints").glob("step-*/manifest.json")),
         "skipped": False,
         "started_at": time.time(),
-        "earlier_wall_s": float(earlier.get("wall_s", 0.0)),
-        "wall_s": float(earlier.get("wall_s", 0.0)),
+        "earlier_wall_s": wall,
+        "wall_s": wall,
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
+
+
+def _wall_until_last_write(job_dir: Path, record: dict[str, Any]) -> float:
+    """An interrupted attempt's wall time: from its start to the last write of its metrics (or nothing, if none)."""
+    metrics = job_dir / "metrics.jsonl"
+    started = float(record.get("started_at", 0.0))
+    until = metrics.stat().st_mtime if metrics.is_file() else started
+    return float(record.get("earlier_wall_s", 0.0)) + max(0.0, until - started)
 
 
 def _ended(job_dir: Path, record: dict[str, Any], status: str, **fields: Any) -> None:
@@ -151,7 +169,7 @@ def _ended_by_exit(job_dir: Path, record: dict[str, Any], stop: SystemExit) -> N
     """The job called sys.exit: finished (0), stopped or aborted (end the sweep too), or failed (go on)."""
     code = stop.code
     if code in (None, 0):
-        _ended(job_dir, record, FINISHED, loss=None)
+        _ended(job_dir, record, FINISHED, objective=None)
         return
     if code in (signals.STOPPED_EXIT_CODE, signals.ABORTED_EXIT_CODE):
         _ended(job_dir, record, STOPPED if code == signals.STOPPED_EXIT_CODE else ABORTED)

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ddptrain import signals
 from ddptrain.sweep.devices import DevicePool, Slice, default_jobs, visible_cpus, visible_gpus
-from ddptrain.sweep.jobs import read_record
+from ddptrain.sweep.jobs import JobFailed, read_record
 
 log = logging.getLogger(__name__)
 OUTPUT_LOG = "output.log"
@@ -74,8 +74,9 @@ def launch_in_parallel(launcher: Any, job_overrides: Sequence[Sequence[str]], in
         if why := pool.fits(job.nproc, job.on_gpu):
             raise ValueError(f"job {job.idx} ({' '.join(job.overrides)}) cannot run here: {why}.")
     log.info("Launching %d jobs, %d at a time, in %s", len(jobs), pool.jobs, sweep_dir)
-    returns = _run_all(launcher, jobs, pool)
+    returns, stopped = _run_all(launcher, jobs, pool)
     _summarize(sweep_dir, jobs, returns)
+    _raise_if_stopped(returns, stopped)
     return [returns[job.idx] for job in jobs]
 
 
@@ -124,10 +125,15 @@ def _device_pool(jobs_at_once: int | None, jobs: list[Job]) -> DevicePool:
     return DevicePool(gpus, cpus, jobs_at_once)
 
 
-def _run_all(launcher: Any, jobs: list[Job], pool: DevicePool) -> dict[int, JobReturn | BaseException]:
-    """Start jobs as slices free up; returns each job's JobReturn, or the exception its process ended with."""
+def _run_all(launcher: Any, jobs: list[Job], pool: DevicePool) -> tuple[dict[int, JobReturn | SystemExit], bool]:
+    """Start jobs as slices free up, until they have all ended or a stop came (a signal here, or a job stopped by
+    one: no further job starts then).
+
+    Returns:
+        Each ended job's JobReturn (or the SystemExit of a job stopped by a signal), and whether the sweep stops.
+    """
     waiting, running = list(jobs), {}
-    results: dict[int, JobReturn | BaseException] = {}
+    results: dict[int, JobReturn | SystemExit] = {}
     # Hydra's singletons (its config store, the job runtime) as the job's process needs them; not the OmegaConf
     # resolvers, which are local functions that do not pickle: the child registers its own.
     singleton_state = Singleton.get_state()["instances"]
@@ -142,10 +148,11 @@ def _run_all(launcher: Any, jobs: list[Job], pool: DevicePool) -> dict[int, JobR
             for future in done:
                 job, piece = running.pop(future)
                 pool.give_back(piece)
-                results[job.idx] = _outcome(future)
+                results[job.idx] = _outcome(future, job)
                 log.info("job %d %s", job.idx, _describe(results[job.idx], job))
-    _raise_if_stopped(results, stop.requested)
-    return results
+                if isinstance(results[job.idx], SystemExit):  # stopped by a signal sent to it: so is the sweep
+                    stop.note(signal.SIGTERM)
+    return results, stop.requested
 
 
 def _submit(launcher: Any, job: Job, piece: Slice, singleton_state: Any) -> Future:
@@ -199,7 +206,7 @@ def _picklable(ret: JobReturn) -> JobReturn:
     pickle as a RuntimeError with the same message."""
     value = ret._return_value
     try:
-        pickle.dumps(value)
+        pickle.loads(pickle.dumps(value))  # some exceptions pickle but do not unpickle (a required argument)
     except Exception:
         value = RuntimeError(f"{type(value).__name__}: {value}")
     plain = JobReturn(
@@ -225,45 +232,45 @@ def _redirect_output(path: Path) -> None:
     os.close(fd)
 
 
-def _outcome(future: Future) -> JobReturn | BaseException:
+def _outcome(future: Future, job: Job) -> JobReturn | SystemExit:
+    """The job's JobReturn; its SystemExit when a signal stopped it; a failed JobReturn when its process died (killed
+    for memory, say) or ended with an exception Hydra does not catch."""
     try:
         return future.result()
-    except BaseException as err:  # the job's process ended with an exception Hydra did not catch (a stop)
-        return err
+    except SystemExit as stop:
+        return stop
+    except BaseException as err:
+        died = JobReturn(overrides=job.overrides, status=JobStatus.FAILED, working_dir=str(job.folder))
+        died._return_value = JobFailed(
+            f"job {job.idx}: its process ended with {type(err).__name__}: {err} (output: {job.folder / OUTPUT_LOG})"
+        )
+        return died
 
 
-def _describe(result: JobReturn | BaseException, job: Job) -> str:
+def _describe(result: JobReturn | SystemExit, job: Job) -> str:
     if isinstance(result, SystemExit):
         return f"stopped (exit code {result.code}): {job.folder}"
-    if isinstance(result, BaseException):
-        return f"ended with {type(result).__name__}: {result} (output: {job.folder / OUTPUT_LOG})"
     if result.status == JobStatus.FAILED:
         return f"failed: {result._return_value} (output: {job.folder / OUTPUT_LOG})"
     record = read_record(job.folder) or {}
     return f"{'skipped, finished in an earlier run' if record.get('skipped') else 'finished'}: {job.folder}"
 
 
-def _raise_if_stopped(results: dict[int, JobReturn | BaseException], stop_requested: bool) -> None:
+def _raise_if_stopped(results: dict[int, JobReturn | SystemExit], stopped: bool) -> None:
     """After a stop (a signal here, or a job stopped or aborted), end the sweep as a stopped run ends: exit code 130
-    if a job aborted, else 75. The jobs not started yet stay for the next run of the sweep. A job's process that
-    died of anything else (not a job failure, which Hydra records) is raised."""
+    if a job aborted, else 75. The jobs not started yet stay for the next run of the sweep."""
     codes = [r.code for r in results.values() if isinstance(r, SystemExit)]
-    if codes or stop_requested:
+    if codes or stopped:
         raise SystemExit(signals.ABORTED_EXIT_CODE if signals.ABORTED_EXIT_CODE in codes else signals.STOPPED_EXIT_CODE)
-    for result in results.values():
-        if isinstance(result, BaseException):
-            raise result
 
 
-def _failed(result: JobReturn | BaseException) -> bool:
+def _failed(result: JobReturn | SystemExit | None) -> bool:
     return isinstance(result, JobReturn) and result.status == JobStatus.FAILED
 
 
-def _summarize(sweep_dir: Path, jobs: list[Job], returns: dict[int, JobReturn | BaseException]) -> None:
+def _summarize(sweep_dir: Path, jobs: list[Job], returns: dict[int, JobReturn | SystemExit]) -> None:
     """Name every failed job, then write the sweep report (Hydra skips on_multirun_end when a job failed)."""
-    failed = [
-        job for job in jobs if isinstance(returns[job.idx], JobReturn) and returns[job.idx].status == JobStatus.FAILED
-    ]
+    failed = [job for job in jobs if _failed(returns.get(job.idx))]
     if failed:
         names = "; ".join(f"job {job.idx} in {job.folder}" for job in failed)
         log.error(

@@ -6,7 +6,8 @@
 - ``report.csv``: one row per job: its number and folder, the overrides that tell it from the other jobs, status,
   steps, final training loss, last eval loss, tokens/s, MFU, peak memory, exposed communication per step and its
   share of the step, wall time (over every attempt);
-- ``report.md``: the same table, best first by eval loss (then by training loss; failed and unstarted jobs last),
+- ``report.md``: the same table, best first by eval loss (then by training loss; unfinished jobs after the finished
+  ones, failed and unstarted jobs last),
   and below it what the table cannot say: why a job failed, which were skipped (finished by an earlier run of the
   sweep), resumed or interrupted;
 - ``loss_curves.png`` (every job's training loss over the steps, overlaid) and ``throughput_memory.png`` (tokens/s
@@ -148,11 +149,13 @@ def _cause(error: str) -> str:
 
 
 def _rank_key(row: dict[str, Any]) -> tuple:
-    """Best first: eval loss, then training loss; jobs without either (failed, not started) last, in job order."""
-    usable = row["status"] != jobs.FAILED
+    """Best first: finished jobs by eval loss, then by training loss; then the unfinished ones (running, stopped,
+    interrupted) the same way on what they logged so far; failed and unstarted jobs last, in job order."""
     eval_loss, loss = _finite(row["eval_loss"]), _finite(row["loss"])
+    unusable = row["status"] == jobs.FAILED or (eval_loss is None and loss is None)
     return (
-        not usable or (eval_loss is None and loss is None),
+        unusable,
+        row["status"] != jobs.FINISHED,
         eval_loss is None,
         eval_loss if eval_loss is not None else (loss if loss is not None else 0.0),
         row["job"],
@@ -222,7 +225,7 @@ def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]], plots: list[str
     lines = [
         f"# Sweep report: {sweep_dir}",
         "",
-        f"{len(rows)} jobs: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) + ".",
+        f"{len(rows)} jobs" + "".join(f", {n} {status}" for status, n in sorted(counts.items())) + ".",
         "Best first by eval loss (then by training loss). Time in communication is the all-reduce time left exposed"
         " per optimizer step (trainer.timing=true).",
         "",
@@ -321,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddptrain.report: {err}", file=sys.stderr)
         return 2
     if not rows:
-        print(f"ddptrain.report: {args.sweep_dir} holds no job folder (<n>_<keys>/ with .hydra/ or job.json)")
+        print(
+            f"ddptrain.report: {args.sweep_dir} holds no job folder (<n>_<keys>/ with .hydra/ or job.json)",
+            file=sys.stderr,
+        )
         return 2
     print(console_lines(args.sweep_dir, rows))
     return 0

@@ -133,14 +133,7 @@ def signal_workers_mid_run(command: list[str], output_dir: Path, signum: int, af
     return sent, proc.returncode, output
 
 
-TORCHRUN = [
-    str(Path(sys.executable).parent / "torchrun"),
-    "--standalone",
-    "--nproc_per_node",
-    "2",
-    "--max-restarts",
-    "1",
-]
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 
 RESTART_ARGS = [
@@ -162,22 +155,12 @@ def uninterrupted_restart_run(tmp_path_factory) -> Path:
     return ref
 
 
-@pytest.mark.parametrize("launcher", ["self-launch", "torchrun"])
-def test_killed_worker_restarts_and_ends_with_the_same_parameters(
-    tmp_path, launcher, uninterrupted_restart_run
-) -> None:
+def test_killed_worker_restarts_and_ends_with_the_same_parameters(tmp_path, uninterrupted_restart_run) -> None:
+    """The self-launcher's parallel.max_restarts. torchrun's --max-restarts is tested across two nodes below
+    (test_two_torchrun_nodes_...), which covers a one-node torchrun restart too: the same agent code, the same
+    round agreement on its store."""
     args, ref = RESTART_ARGS, uninterrupted_restart_run
-    if launcher == "torchrun":
-        command = [*TORCHRUN, "-m", "ddptrain", *args, f"trainer.output_dir={tmp_path}/run"]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "ddptrain",
-            *args,
-            "parallel.max_restarts=1",
-            f"trainer.output_dir={tmp_path}/run",
-        ]
+    command = [sys.executable, "-m", "ddptrain", *args, "parallel.max_restarts=1", f"trainer.output_dir={tmp_path}/run"]
     killed, returncode, output = signal_workers_mid_run(command, tmp_path / "run", signal.SIGKILL, after_step=12)
     assert killed, "the run ended before a worker could be killed"
     assert returncode == 0, output[-3000:]
@@ -241,7 +224,7 @@ def test_two_torchrun_nodes_train_one_run_and_survive_a_killed_worker(tmp_path, 
         f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
         f"--rdzv-id={uuid.uuid4().hex}",
     ]
-    agent = [TORCHRUN[0], "--nnodes", "2", "--nproc_per_node", "1", *rendezvous, "--max-restarts", "1"]
+    agent = [TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", *rendezvous, "--max-restarts", "1"]
     command = [*agent, "-m", "ddptrain", "parallel=auto", *RESTART_ARGS, f"trainer.output_dir={out}"]
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
     nodes = [

@@ -31,7 +31,8 @@ def sweep_args(sweep_dir: Path, *args: str) -> list[str]:
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    return sorted((p for p in sweep_dir.iterdir() if p.is_dir()), key=lambda p: int(p.name.split("_")[0]))
+    folders = [p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return sorted(folders, key=lambda p: int(p.name.split("_")[0]))
 
 
 def stamp(line: str) -> datetime:
@@ -47,8 +48,12 @@ def training_interval(job: Path) -> tuple[datetime, datetime]:
 
 
 def cores_of(job: Path) -> str:
+    """The cores rank 0 of the job ran on, as its train.log says; checks it ran one thread per core it had."""
     (line,) = [line for line in (job / "train.log").read_text().splitlines() if "rank 0 of " in line]
-    return re.search(r"on cores (\S+)", line).group(1)
+    threads, cores = re.search(r"(\d+) thread\(s\) on cores (\S+)", line).groups()
+    processes = int(re.search(r"rank 0 of (\d+)", line).group(1))
+    assert int(threads) == max(1, len(expand(cores)) // processes), line
+    return cores
 
 
 def expand(cores: str) -> list[int]:
@@ -62,13 +67,13 @@ def expand(cores: str) -> list[int]:
 
 def test_a_parallel_sweep_runs_its_jobs_at_the_same_time_on_their_own_cores(tmp_path) -> None:
     sweep = tmp_path / "sweep"
-    args = ["hydra/launcher=parallel", "parallel=single", "optim.lr=0.001,0.002", "trainer.max_steps=40"]
+    args = ["hydra/launcher=parallel", "parallel=single", "optim.lr=0.001,0.002", "trainer.max_steps=30"]
     result = run_ddptrain(sweep_args(sweep, *args, "data.max_rows=300"))
     assert result.returncode == 0, result.stderr[-3000:]
     jobs = job_dirs(sweep)
     assert [j.name for j in jobs] == ["0_optim.lr=0.001", "1_optim.lr=0.002"]
     for job in jobs:
-        assert [r["step"] for r in read_metrics(job) if "loss" in r][-1] == 40
+        assert [r["step"] for r in read_metrics(job) if "loss" in r][-1] == 30
         assert (job / "adapter").is_dir()
     (a_start, a_end), (b_start, b_end) = (training_interval(j) for j in jobs)
     assert a_start < b_end and b_start < a_end, (
@@ -104,7 +109,7 @@ def test_a_parallel_sweep_of_ddp_jobs_survives_a_failed_job_and_reports_every_jo
         assert ("ValueError" in output) == (i == 2), output[-2000:]
         assert (job / "adapter").is_dir() == (i != 2), "every other job finished"
     ports = [re.search(r"store on 127\.0\.0\.1:(\d+)", (j / "output.log").read_text()).group(1) for j in jobs]
-    assert len(set(ports)) == 4, f"each job its own port: {ports}"
+    assert ports[0] != ports[1], f"jobs 0 and 1 ran at the same time, each on its own port: {ports}"
 
     with (sweep / "report.csv").open() as f:
         table = list(csv.DictReader(f))
@@ -171,6 +176,11 @@ def test_a_killed_sweep_run_again_skips_what_finished_and_resumes_the_rest(tmp_p
     assert second_job_checkpoint is not None, "the sweep never reached its second job's first checkpoint"
     assert_no_process_left(tag)
     assert not (job_dirs(sweep)[1] / "adapter").exists(), "killed before the second job finished"
+    # The report of the killed sweep, from its folder: the first job finished, the second interrupted.
+    killed = subprocess.run([sys.executable, "-m", "ddptrain.report", str(sweep)], capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr
+    with (sweep / "report.csv").open() as f:
+        assert [(r["job"], r["status"]) for r in csv.DictReader(f)] == [("0", "finished"), ("1", "interrupted")]
 
     rerun = run_ddptrain(sweep_args(sweep, *RESUMABLE))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -183,6 +193,78 @@ def test_a_killed_sweep_run_again_skips_what_finished_and_resumes_the_rest(tmp_p
     assert "| 2 | optim.lr=0.003 | finished | 12/12 |" in report and "job 2 (`2_optim.lr=0.003`)" not in report
     assert (first / "train.log").read_text().count("ddptrain.trainer: training 12 steps") == 1, "not trained again"
 
+    # The default launcher's report comes from the Hydra callback alone; the command writes the same.
+    written = {name: (sweep / name).read_text() for name in ("report.csv", "report.md")}
+    for name in written:
+        (sweep / name).unlink()
+    subprocess.run([sys.executable, "-m", "ddptrain.report", str(sweep)], capture_output=True, check=True)
+    assert {name: (sweep / name).read_text() for name in written} == written, "the command and the callback agree"
+
     for got, want in zip(adapters(sweep), adapters(reference)):
         assert got.keys() == want.keys()
         assert all((got[k] == want[k]).all() for k in got), "resumed sweep differs from the uninterrupted one"
+
+
+def test_submitit_local_runs_a_two_job_sweep(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["hydra/launcher=submitit_local", "parallel=single", "optim.lr=0.001,0.002", "trainer.max_steps=4"]
+    result = run_ddptrain(sweep_args(sweep, *args, "data.max_rows=200"))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    jobs = job_dirs(sweep)
+    # Named by the swept key although submitit's job processes have a command line of their own.
+    assert [j.name for j in jobs] == ["0_optim.lr=0.001", "1_optim.lr=0.002"]
+    for job in jobs:
+        assert [r["step"] for r in read_metrics(job) if "loss" in r][-1] == 4 and (job / "adapter").is_dir()
+    assert (sweep / ".submitit").is_dir(), "the jobs ran through submitit"
+    with (sweep / "report.csv").open() as f:
+        assert [row["status"] for row in csv.DictReader(f)] == ["finished", "finished"]
+
+
+def test_the_slurm_preset_submits_one_node_one_task_with_the_jobs_gpus(tmp_path) -> None:
+    """The real submission path up to sbatch: a stand-in sbatch (and srun, which submitit looks for) records the
+    script it is given and refuses, as a machine without Slurm would."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/bin/sh\ncp "$1" "$SBATCH_RECORD"\necho "sbatch: no Slurm here" >&2\nexit 1\n')
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    record, sweep = tmp_path / "submitted.sh", tmp_path / "sweep"
+    command = [sys.executable, "-m", "ddptrain", "-m", "hydra/launcher=slurm", "parallel=ddp4"]
+    command += ["hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=90", "optim.lr=0.001,0.002"]
+    command += [f"trainer.output_dir={tmp_path}", f"hydra.sweep.dir={sweep}", "trainer.device=cuda"]
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SBATCH_RECORD": str(record)}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "sbatch: no Slurm here" in result.stderr, result.stderr[-2000:]
+    script = record.read_text()
+    for line in ("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4", "--partition=gpu", "--time=90"):
+        assert f"#SBATCH {line}\n" in script, script
+    assert "#SBATCH --array=0-1%" in script, "one array task per sweep job"
+    assert "#SBATCH --job-name=ddptrain\n" in script
+    (srun,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    assert srun.endswith(f"{sys.executable} -u -m submitit.core._submit {sweep}/.submitit/%j"), srun
+
+
+def test_the_optuna_recipe_runs_three_trials_and_the_report_ranks_them(tmp_path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["-m", "--config-dir", "recipes", "--config-name", "optuna_lr_rank", "hydra.sweeper.n_trials=3"]
+    args += ["parallel=single", "trainer.max_steps=10", "data.max_rows=300"]
+    args += [f"trainer.output_dir={tmp_path}", f"hydra.sweep.dir={sweep}"]
+    result = run_ddptrain(args)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    jobs = job_dirs(sweep)
+    assert len(jobs) == 3 and all(re.fullmatch(r"\d_model\.lora_rank=\d+,optim\.lr=[0-9.e-]+", j.name) for j in jobs)
+    # Optuna minimised what each trial returned: its final eval loss, as the trial logged it.
+    logged = {j.name.split("_")[0]: [r["eval_loss"] for r in read_metrics(j) if "eval_loss" in r][-1] for j in jobs}
+    best = yaml_value(sweep / "optimization_results.yaml", "best_value")
+    assert best == pytest.approx(min(logged.values()))
+    with (sweep / "report.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [float(row["eval_loss"]) for row in table] == pytest.approx(sorted(logged.values()))
+    assert [row["job"] for row in table] == sorted(logged, key=logged.get), "ranked best first by eval loss"
+
+
+def yaml_value(path: Path, key: str) -> float:
+    from omegaconf import OmegaConf
+
+    return float(OmegaConf.load(path)[key])

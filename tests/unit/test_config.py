@@ -306,6 +306,11 @@ def test_sweep_job_folders_are_named_by_the_swept_keys_only() -> None:
     assert config.swept_overrides(job, argv) == "data.path=_d_b.jsonl,optim.lr=0.002"
     assert config.swept_overrides(["optim.lr=0.1"], ["ddptrain", "-m", "optim.lr=0.1"]) == ""
     assert config.swept_overrides(["a=1"], ["ddptrain", "-m", "range(1,3)=x"]) == "a=1", "unparsable: every override"
+    # A sweeper that sets keys of its own (hydra.sweeper.params, Optuna's trials): those name the folder.
+    optuna_trial = ["trainer.max_steps=30", "optim.lr=0.0031", "model.lora_rank=8"]
+    command = ["ddptrain", "-m", "--config-dir", "recipes", "--config-name", "optuna_lr_rank", "trainer.max_steps=30"]
+    name = config.swept_overrides(optuna_trial, command)
+    assert name == "model.lora_rank=8,optim.lr=0.0031"
 
 
 @pytest.mark.parametrize(

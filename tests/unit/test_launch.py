@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ddptrain import launch
@@ -82,3 +84,16 @@ def test_a_stopped_run_says_where_its_checkpoint_is_and_exits_75_unless_under_to
     assert "ddptrain: stopped by SIGTERM at step 3" in capsys.readouterr().err
     launch._exit_if_stopped(stopped, tmp_path, Start(True, rank=1), build_console(False))
     assert capsys.readouterr().err == "", "ranks other than 0 say nothing"
+
+
+def test_only_an_unused_hydra_folder_is_removed_never_the_working_directory(tmp_path, monkeypatch) -> None:
+    unused, used, cwd = tmp_path / "unused", tmp_path / "used", tmp_path / "cwd"
+    for folder in (unused, used, cwd):
+        (folder / ".hydra").mkdir(parents=True)
+    (used / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.chdir(cwd)
+    for folder in (unused, used, cwd, Path(".")):
+        launch._remove_unused_hydra_folder(folder)
+    assert not unused.exists()
+    assert (used / "metrics.jsonl").is_file() and (used / ".hydra").is_dir()
+    assert (cwd / ".hydra").is_dir(), "the working directory is never removed"

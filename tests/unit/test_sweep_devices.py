@@ -84,3 +84,18 @@ def test_default_jobs_on_cpu_and_sizes_that_do_not_fit() -> None:
 def test_core_ranges_read_as_users_write_them() -> None:
     assert compact_ranges([0, 1, 2, 3, 8, 10, 11]) == "0-3,8,10-11"
     assert compact_ranges([5]) == "5"
+
+
+def test_the_launcher_counts_the_gpus_cuda_visible_devices_names(monkeypatch) -> None:
+    from ddptrain.sweep import launcher
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    jobs = [launcher.Job(i, [], None, None, nproc=2, on_gpu=launcher._on_gpu("auto")) for i in range(3)]
+    assert all(job.on_gpu for job in jobs), "auto means the GPUs when some are visible"
+    pool = launcher._device_pool(None, jobs)
+    assert pool.jobs == 2, "4 GPUs / 2 per job"
+    assert [pool.take(2, True).gpus, pool.take(2, True).gpus] == [("4", "5"), ("6", "7")]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not launcher._on_gpu("auto"), "no GPU visible: auto is the CPU"
+    cpu_jobs = [launcher.Job(i, [], None, None, nproc=1, on_gpu=False) for i in range(5)]
+    assert launcher._device_pool(None, cpu_jobs).jobs == min(5, len(launcher.visible_cpus()))

@@ -3,8 +3,10 @@ ends it, and a folder holding another job is refused."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,21 +20,37 @@ def test_a_finished_job_is_skipped_when_the_sweep_runs_again(tmp_path) -> None:
     calls = []
     assert jobs.run_sweep_job(lambda: calls.append(1) or 2.5, tmp_path, OVERRIDES, 0) == 2.5
     first = jobs.read_record(tmp_path)
-    assert first["status"] == "finished" and first["loss"] == 2.5 and not first["skipped"]
+    assert first["status"] == "finished" and first["objective"] == 2.5 and not first["skipped"]
     assert jobs.run_sweep_job(lambda: calls.append(1) or 9.9, tmp_path, OVERRIDES, 0) == 2.5
     assert calls == [1], "the second run did not train again"
     again = jobs.read_record(tmp_path)
     assert again["skipped"] and again["wall_s"] == first["wall_s"]
 
 
+def dead_pid() -> int:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(gone.stdout)
+
+
 def test_an_interrupted_job_trains_again_and_says_it_resumed(tmp_path) -> None:
-    jobs.write_record(tmp_path, {"overrides": OVERRIDES, "status": "running", "attempt": 1, "wall_s": 4.0})
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "latest").write_text("step-00000004\n")
-    assert jobs.run_sweep_job(lambda: 1.0, tmp_path, OVERRIDES, 3) == 1.0
+    started = time.time() - 100
+    killed = {"overrides": OVERRIDES, "status": "running", "attempt": 1, "started_at": started, "earlier_wall_s": 4.0}
+    jobs.write_record(tmp_path, {**killed, "wall_s": 4.0, "host": jobs.socket.gethostname(), "pid": dead_pid()})
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    os.utime(tmp_path / "metrics.jsonl", (started + 30, started + 30))  # its last write: 30 s into the attempt
+    (tmp_path / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-00000004" / "manifest.json").write_text("{}")
+    assert jobs.run_sweep_job(lambda: 1.0, tmp_path, list(reversed(OVERRIDES)), 3) == 1.0, "order does not matter"
     record = jobs.read_record(tmp_path)
     assert record["status"] == "finished" and record["resumed"] and record["attempt"] == 2
-    assert record["wall_s"] >= 4.0, "the wall time adds up every attempt"
+    assert 34.0 <= record["wall_s"] < 40.0, "4 s before, 30 s of the killed attempt, and this one's"
+
+
+def test_a_job_still_running_in_its_folder_is_not_started_twice(tmp_path) -> None:
+    alive = {"overrides": OVERRIDES, "status": "running", "host": jobs.socket.gethostname(), "pid": os.getpid()}
+    jobs.write_record(tmp_path, alive)
+    with pytest.raises(jobs.JobFailed, match=f"in use by a running job \\(process {os.getpid()}"):
+        jobs.run_sweep_job(lambda: 1.0, tmp_path, OVERRIDES, 0)
 
 
 def test_a_folder_holding_another_job_is_refused(tmp_path) -> None:
@@ -72,8 +90,7 @@ def test_a_stop_by_signal_ends_the_sweep(tmp_path, code, status) -> None:
 
 
 def test_a_running_record_whose_process_is_gone_reads_as_interrupted(tmp_path) -> None:
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    record = {"status": "running", "pid": int(gone.stdout), "host": jobs.socket.gethostname()}
+    record = {"status": "running", "pid": dead_pid(), "host": jobs.socket.gethostname()}
     assert jobs.status_of(record) == "interrupted"
     assert jobs.status_of({**record, "pid": jobs.os.getpid()}) == "running"
     assert jobs.status_of({**record, "host": "another-node"}) == "running", "no way to tell on another host"
