@@ -22,7 +22,7 @@ import os
 import pickle
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +137,7 @@ def _run_all(launcher: Any, jobs: list[Job], pool: DevicePool) -> tuple[dict[int
     # Hydra's singletons (its config store, the job runtime) as the job's process needs them; not the OmegaConf
     # resolvers, which are local functions that do not pickle: the child registers its own.
     singleton_state = Singleton.get_state()["instances"]
-    with _forward_stop_signals(running) as stop:
+    with _forward_stop_signals() as stop:
         while waiting or running:
             while waiting and not stop.requested and (piece := pool.take(waiting[0].nproc, waiting[0].on_gpu)):
                 job = waiting.pop(0)
@@ -286,7 +286,7 @@ def _summarize(sweep_dir: Path, jobs: list[Job], returns: dict[int, JobReturn | 
 
 
 @contextlib.contextmanager
-def _forward_stop_signals(running: dict[Future, Any]):
+def _forward_stop_signals() -> Iterator[signals.StopRequest]:
     """SIGTERM or Ctrl-C: pass it on to every running job's process (each saves and stops) and start no more.
 
     A terminal's Ctrl-C reaches the jobs too; the copy sent here arrives within milliseconds, which a job takes for
