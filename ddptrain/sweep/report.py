@@ -21,6 +21,7 @@ the ones the run's own diagnosis uses (``ddptrain.diagnose.runs``), so the two n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import math
@@ -95,12 +96,10 @@ def job_row(folder: Path) -> dict[str, Any]:
     row |= {"job": _job_number(folder)[0], "folder": folder.name, "status": status, "notes": _notes(record, status)}
     if record is not None:
         row["wall_s"] = _wall_s(record, status)
-    try:
+    with contextlib.suppress(DiagnoseError):  # no metrics yet: the row keeps its status and notes
         records, evals = read_metrics(folder)
         if records:
             row |= _figures(summarize(records, evals, RunSettings.load(folder)))
-    except DiagnoseError:  # no metrics yet: the row keeps its status and notes
-        pass
     return row
 
 
