@@ -13,7 +13,6 @@ import inspect
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -203,32 +202,19 @@ def _pick_backend(backend: Backend, device: torch.device) -> str:
     return backend.value
 
 
-_TEARDOWN_ON_ERROR_S = 10.0
-
-
 def teardown() -> None:
     """Leave the process group (safe to call twice).
 
     On a normal exit the ranks first meet at a barrier, so that they destroy the group together:
     one that tears its connections down while another still works can leave that one hanging
     inside ``destroy_process_group`` (seen once in CI on gloo). Called while an exception
-    propagates (from a ``finally``), there is no barrier (the other ranks may be gone), and the
-    destroy runs in a thread given ``_TEARDOWN_ON_ERROR_S``: the process must exit with its error,
-    not hang in teardown.
+    propagates (from a ``finally``), there is no barrier: the other ranks may be gone.
     """
     if not dist.is_initialized():
         return
-    if sys.exc_info()[0] is None:
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        dist.destroy_process_group()
-        return
-    # An exception is on its way out, often raised on every rank at once (a failed first-step check); gloo's
-    # destroy can then hang (seen in CI: a run that never exited). Give it a few seconds, then let the process
-    # exit, which closes the connections anyway.
-    destroying = threading.Thread(target=dist.destroy_process_group, name="ddptrain-teardown", daemon=True)
-    destroying.start()
-    destroying.join(timeout=_TEARDOWN_ON_ERROR_S)
+    if sys.exc_info()[0] is None and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- DDP
