@@ -9,6 +9,7 @@ collectives work in a single-process run and cost nothing there.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import inspect
 import logging
 import os
@@ -202,18 +203,29 @@ def _pick_backend(backend: Backend, device: torch.device) -> str:
     return backend.value
 
 
+# How long a failed rank may take to leave the group and exit (see ``teardown``); normally well under a second.
+FAILED_EXIT_GRACE_S = 30.0
+
+
 def teardown() -> None:
     """Leave the process group (safe to call twice).
 
     On a normal exit the ranks first meet at a barrier, so that they destroy the group together:
     one that tears its connections down while another still works can leave that one hanging
     inside ``destroy_process_group`` (seen once in CI on gloo). Called while an exception
-    propagates (from a ``finally``), there is no barrier: the other ranks may be gone.
+    propagates (from a ``finally``), there is no barrier: the other ranks may be gone. The process
+    is on its way out then, and nothing may keep it there: if leaving the group, writing the
+    error record and the interpreter's exit take longer than ``FAILED_EXIT_GRACE_S`` (a 2-rank CI
+    run whose ranks both failed at once hung 300 s somewhere past the error), ``faulthandler`` prints
+    every thread's stack and ends the process with exit code 1, so the launcher reports the failure.
     """
     if not dist.is_initialized():
         return
-    if sys.exc_info()[0] is None and dist.get_world_size() > 1:
+    several = dist.get_world_size() > 1
+    if sys.exc_info()[0] is None and several:
         dist.barrier()
+    elif several:
+        faulthandler.dump_traceback_later(FAILED_EXIT_GRACE_S, exit=True)
     dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,26 @@ def test_preflight_names_trainable_parameters_without_gradient(tmp_path) -> None
     for rank in (0, 1):
         message = (run_dir / f"error{rank}.txt").read_text()
         assert "unused_scale" in message and "parallel.find_unused_parameters=true" in message
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rank_exits_even_when_something_keeps_it_alive(tmp_path, capfd) -> None:
+    """Once a rank fails, nothing may hold its process (CI once hung 300 s after both ranks failed at once): a
+    failed rank still there after parallel.FAILED_EXIT_GRACE_S prints its threads' stacks and exits 1."""
+    from tests.distributed.workers import fail_with_a_thread_that_never_ends
+
+    run_dir = tmp_path / "stuck"
+    run_dir.mkdir()
+    cfg = compose_config(["parallel=ddp2", f"trainer.output_dir={tmp_path}", *TINY])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="training failed") as failed:
+        launch(cfg, run_dir, entrypoint=fail_with_a_thread_that_never_ends)
+    assert time.monotonic() - started < 60
+    assert sorted(p.name for p in run_dir.glob("failing*.txt")) == ["failing0.txt", "failing1.txt"]
+    assert "rank 0 (exit code 1): RuntimeError: rank 0 failed on purpose" in str(failed.value)
+    err = capfd.readouterr().err
+    assert err.count("Timeout (0:00:03)!") == 2, "each rank printed its stacks"
+    assert "_shutdown" in err, "the stacks show where the exit waited (threading._shutdown)"
 
 
 def test_ranks_with_different_frozen_weights_are_stopped_before_training(tmp_path) -> None:

@@ -171,3 +171,19 @@ def _listening_addresses(pids: set[int]) -> list[str]:
                 raw = b"".join(struct.pack("<I", struct.unpack(">I", raw[i : i + 4])[0]) for i in range(0, 16, 4))
             found.append(socket.inet_ntop(family, raw))
     return found
+
+
+def fail_with_a_thread_that_never_ends(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """Both ranks fail at once while a non-daemon thread (a user's logger, say) never ends: the interpreter's exit
+    would wait for it forever. The grace is shortened so the test is quick; the product's is 30 s."""
+    import threading
+
+    parallel.FAILED_EXIT_GRACE_S = 3.0
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    threading.Thread(target=threading.Event().wait, name="never-ends", daemon=False).start()
+    try:
+        parallel.barrier()
+        (Path(run_dir) / f"failing{env.rank}.txt").write_text("1")
+        raise RuntimeError(f"rank {env.rank} failed on purpose")
+    finally:
+        parallel.teardown()
