@@ -94,7 +94,12 @@ def hydra_job(dict_cfg: Any) -> float | None:
     from ddptrain.sweep.jobs import run_sweep_job
 
     overrides = list(hydra_cfg.overrides.task)
-    return run_sweep_job(lambda: run(_validated(dict_cfg), run_dir), run_dir, overrides, int(hydra_cfg.job.num))
+    requeue = signals.scheduler_handler()  # submitit's, under Slurm: ddptrain's own handlers replace it meanwhile
+    try:
+        return run_sweep_job(lambda: run(_validated(dict_cfg), run_dir), run_dir, overrides, int(hydra_cfg.job.num))
+    except SystemExit:
+        signals.hand_on_preemption(requeue)  # stopped by Slurm's time-limit warning: saved and recorded, now requeue
+        raise
 
 
 def _validated(dict_cfg: Any) -> RunConfig:
@@ -126,7 +131,10 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
     """
     start = Start.from_environ()
     if start.elastic:  # before torch loads: a wrong process count fails at once
-        _check_torchrun_size(cfg.parallel.nproc_per_node, start.local_world_size)
+        _check_torchrun_size(cfg.parallel.nproc_per_node, start)
+    if start.scheduler:
+        _meet_at(start)
+    signals.start_resource_tracker_deaf_to_preemption()
     cfg = _with_global_batch_size(cfg, start.world_size if start.elastic else cfg.parallel.nproc_per_node or 1)
     from ddptrain.metrics import FORMAT, build_console
 
@@ -139,7 +147,9 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
             f"optim.grad_accum_steps={cfg.optim.grad_accum_steps}"
         )
     run_dir = hydra_dir
-    if start.elastic:
+    if start.scheduler:  # every task of the job runs in the one folder the sweep gave the job
+        result = worker(cfg, str(run_dir), None, start)
+    elif start.elastic:
         start, run_dir = _torchrun_round(cfg, hydra_dir, start, console)
         result = worker(cfg, str(run_dir), None, start)
     elif (cfg.parallel.nproc_per_node or 1) == 1:
@@ -166,13 +176,21 @@ def _with_global_batch_size(cfg: RunConfig, world_size: int) -> RunConfig:
         sys.exit(f"ddptrain: invalid configuration:\n{err}")
 
 
-def _check_torchrun_size(nproc_per_node: int | None, started: int) -> None:
-    if nproc_per_node is not None and nproc_per_node != started:
+def _check_torchrun_size(nproc_per_node: int | None, start: Start) -> None:
+    started = start.local_world_size
+    if nproc_per_node is None or nproc_per_node == started:
+        return
+    if start.scheduler:
         sys.exit(
-            f"ddptrain: parallel.nproc_per_node={nproc_per_node} but torchrun started {started} processes per node: "
-            f"launch with --nproc_per_node {nproc_per_node}, or pick the matching parallel= option "
-            "(parallel=auto adopts torchrun's count)."
+            f"ddptrain: parallel.nproc_per_node={nproc_per_node} but this {start.scheduler} job runs {started} tasks "
+            "per node, each one rank: keep hydra.launcher.tasks_per_node=${parallel.nproc_per_node} (as "
+            "hydra/launcher=slurm_multinode does), or pick the parallel= option with that many processes."
         )
+    sys.exit(
+        f"ddptrain: parallel.nproc_per_node={nproc_per_node} but torchrun started {started} processes per node: "
+        f"launch with --nproc_per_node {nproc_per_node}, or pick the matching parallel= option "
+        "(parallel=auto adopts torchrun's count)."
+    )
 
 
 def _torchrun_round(
@@ -191,6 +209,14 @@ def _torchrun_round(
     if run_dir != hydra_dir and start.makes_run_folder:
         _remove_unused_hydra_folder(hydra_dir)
     return replace(start, restart_count=round_), run_dir
+
+
+def _meet_at(start: Start) -> None:
+    """Where the tasks of a scheduler's job form their group (``Start.master_addr``, ``master_port``): rank 0 hosts
+    the store. On one machine (``submitit_local``) the tasks share its cores: one thread each unless told otherwise."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = start.master_addr, str(start.master_port)
+    if start.scheduler == "local":
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(visible_cpus()) // start.local_world_size)))
 
 
 def _remove_unused_hydra_folder(hydra_dir: Path) -> None:
@@ -242,7 +268,7 @@ def _exit_if_stopped(
         return
     how = f"stopped by {result[signals.STOPPED_BY]}"
     console.say(signals.stopped_line(how, run_dir, result[signals.STOPPED_AT_STEP]))
-    if not start.elastic:  # under torchrun the rank returns and exits 0: see ``run``
+    if not start.elastic or start.scheduler:  # under torchrun the rank returns and exits 0: see ``run``
         sys.exit(signals.STOPPED_EXIT_CODE)
 
 

@@ -1,4 +1,4 @@
-"""Stopping a run by signal: SIGTERM or Ctrl-C saves a checkpoint and stops; a second Ctrl-C aborts.
+"""Stopping a run by signal: SIGTERM, SIGUSR2 or Ctrl-C saves a checkpoint and stops; a second Ctrl-C aborts.
 
 Two sides:
 
@@ -21,6 +21,11 @@ the first signal is the same request; a later one aborts at once, without saving
 checkpoint stays intact: checkpoints are written atomically). So does a later SIGTERM after a
 Ctrl-C: torchrun passes a second Ctrl-C on to its workers as SIGTERM. After a SIGTERM, only Ctrl-C
 aborts: a scheduler may send SIGTERM more than once.
+
+SIGUSR2 is what Slurm sends ahead of a job's time limit when submitit asks for it (``--signal=USR2@<delay>``), to
+every process of the job. It stops the run like SIGTERM. Inside a submitit job, submitit's own handler for it
+(checkpoint the job and requeue it) is handed the signal once the run has saved and the job's record says
+``stopped`` (``launch.hydra_job``, ``scheduler_handler``), so the requeued job resumes from that checkpoint.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Slurm's warning ahead of the time limit (submitit's default, SUBMITIT_PREEMPT_SIGNAL).
+PREEMPT_SIGNAL = signal.SIGUSR2
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, PREEMPT_SIGNAL)
 # A repeat of Ctrl-C within this many seconds of the first signal is the same request (the
 # terminal's copy and the launcher's forwarded copy); a later one aborts.
 REPEAT_WINDOW_S = 1.0
@@ -57,7 +64,9 @@ STOP_ENV = "DDPTRAIN_STOP_SIGNAL"
 # second one (it gets each Ctrl-C exactly once) and sends ABORT_SIGNAL; a worker treats every other
 # repeat as the same request, so a forwarded copy that arrives late can never abort the run.
 SELF_LAUNCHED_ENV = "DDPTRAIN_SELF_LAUNCHED"
-ABORT_SIGNAL = signal.SIGUSR2
+# A signal nobody else sends: not SIGUSR2 (Slurm's warning before the time limit must stop a run with a checkpoint,
+# not abort it) nor SIGUSR1 (``kill -USR1`` prints a rank's stacks, see ``hangs``).
+ABORT_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGUSR2)
 # Keys ``Trainer.fit`` adds to its result when it stopped on a signal.
 STOPPED_BY = "stopped_by"
 STOPPED_AT_STEP = "stopped_at_step"
@@ -68,6 +77,25 @@ class Aborted(KeyboardInterrupt):
 
     A KeyboardInterrupt, so that elastic's ``except Exception`` clauses let it through.
     """
+
+
+# The first stop signal this process took (in a worker or in the self-launcher): see ``stopped_by_preemption``.
+_first_stop: dict[str, signal.Signals] = {}
+
+
+def scheduler_handler() -> Any:
+    """The handler a scheduler's job wrapper installed for PREEMPT_SIGNAL (submitit: checkpoint the job and requeue
+    it), or None. Read it before ddptrain installs its own: ``hand_on_preemption`` calls it once the run has saved."""
+    handler = signal.getsignal(PREEMPT_SIGNAL)
+    return handler if callable(handler) else None
+
+
+def hand_on_preemption(handler: Any) -> None:
+    """After a run stopped on PREEMPT_SIGNAL (saved, its record written): give the signal to the scheduler's
+    handler, which requeues the job (submitit does on global rank 0, and exits). Nothing otherwise."""
+    if handler is not None and _first_stop.get("signal") == PREEMPT_SIGNAL:
+        log.info("%s: the run has saved; handing the signal on to the job's scheduler", PREEMPT_SIGNAL.name)
+        handler(PREEMPT_SIGNAL, None)
 
 
 class StopRequest:
@@ -98,6 +126,7 @@ class StopRequest:
             return "abort"
         if self.signal is None:
             self.signal, self.at = signal.Signals(signum), now
+            _first_stop.setdefault("signal", self.signal)
             return "stop"
         if self.launcher_aborts:
             return "repeat"
@@ -204,6 +233,25 @@ def forward_to_workers() -> Iterator[StopRequest]:
     finally:
         _restore(previous, stop)
         os.environ.pop(STOP_ENV, None)
+
+
+def start_resource_tracker_deaf_to_preemption() -> None:
+    """Start multiprocessing's resource tracker now, with PREEMPT_SIGNAL ignored: a disposition it keeps across exec.
+
+    The tracker is a process of its own in the job's process group. It ignores SIGINT and SIGTERM by itself, but
+    SIGUSR2, which Slurm sends to every process of the job, would kill it; the one started in its place then knows
+    none of the workers' semaphores and prints a KeyError traceback for each. Does nothing once it runs, or off the
+    main thread (only the main thread may set handlers).
+    """
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.signal(PREEMPT_SIGNAL, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(PREEMPT_SIGNAL, previous)
 
 
 def ignore_stop_signals(worker_id: int) -> None:

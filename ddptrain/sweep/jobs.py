@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain import signals
+from ddptrain.started import Start
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,8 @@ def run_sweep_job(train: Callable[[], float | None], job_dir: Path, overrides: l
     """
     job_dir = Path(job_dir)
     previous = read_record(job_dir)
+    if not Start.from_environ().is_rank_zero:
+        return _as_another_rank(train, previous, overrides)
     if previous is not None and status_of(previous) == RUNNING:
         raise JobFailed(
             f"job {num}: {job_dir} is in use by a running job (process {previous.get('pid')} on "
@@ -125,6 +128,15 @@ def run_sweep_job(train: Callable[[], float | None], job_dir: Path, overrides: l
         raise
     _ended(job_dir, record, FINISHED, objective=value)
     return value
+
+
+def _as_another_rank(train: Callable[[], float | None], record: dict[str, Any] | None, overrides: list[str]) -> Any:
+    """A rank other than 0 of a job whose tasks are its ranks (``hydra/launcher=slurm_multinode``): rank 0 keeps the
+    record; this one trains with it, or skips with it the job an earlier run of the sweep finished."""
+    same_job = record is not None and sorted(record.get("overrides", [])) == sorted(overrides)
+    if same_job and record.get("status") == FINISHED:
+        return record.get("objective")
+    return train()
 
 
 def _started(job_dir: Path, overrides: list[str], num: int, previous: dict[str, Any] | None) -> dict[str, Any]:

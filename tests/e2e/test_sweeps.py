@@ -4,6 +4,7 @@ job that lets the others finish, the sweep report, and a killed sweep that resum
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from ddptrain.sweep.report import COLUMNS
-from tests.conftest import REPO, RUN_TAG, assert_no_process_left, read_metrics, run_ddptrain
+from tests.conftest import REPO, RUN_TAG, assert_no_process_left, read_metrics, read_written_metrics, run_ddptrain
 
 pytestmark = pytest.mark.e2e
 
@@ -220,9 +221,65 @@ def test_submitit_local_runs_a_two_job_sweep(tmp_path) -> None:
         assert [row["status"] for row in csv.DictReader(f)] == ["finished", "finished"]
 
 
-def test_the_slurm_preset_submits_one_node_one_task_with_the_jobs_gpus(tmp_path) -> None:
+def _submitit_tasks() -> list[int]:
+    """The processes submitit started for a job's tasks (each runs ``submitit.core._submit``)."""
+    found = subprocess.run(["pgrep", "-f", "submitit.core._submit"], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def test_a_submitit_job_whose_tasks_are_its_ranks_saves_on_usr2_and_resumes_when_requeued(tmp_path) -> None:
+    """``hydra.launcher.tasks_per_node=2`` under submitit_local: the job's two tasks are ranks 0 and 1 of one group
+    (as srun starts them under hydra/launcher=slurm_multinode), in one run folder. SIGUSR2 to every task, as Slurm
+    sends it ahead of the time limit, makes both save one checkpoint and stop; submitit then requeues the job, which
+    resumes from that checkpoint and finishes."""
+    sweep = tmp_path / "sweep"
+    args = ["hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5"]
+    args += ["parallel=ddp2", "trainer.max_steps=60", "trainer.log_every_n_steps=1"]
+    args += ["data.max_rows=300", "trainer.save_every_n_steps=1000"]
+    command = [sys.executable, "-m", "ddptrain", *sweep_args(sweep, *args), "trainer.device=cpu"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", RUN_TAG: " ".join(command)}
+    env.pop("MASTER_PORT", None)
+    sweeper = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = sweep / "0_"  # a sweep of one job: no key takes more than one value
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and sweeper.poll() is None:
+        if (job / "metrics.jsonl").is_file() and any(r.get("step", 0) >= 3 for r in read_written_metrics(job)):
+            break
+        time.sleep(0.1)
+    tasks = _submitit_tasks()
+    assert len(tasks) == 2, tasks
+    for pid in tasks:
+        os.kill(pid, signal.SIGUSR2)
+    output, _ = sweeper.communicate(timeout=240)
+    assert sweeper.returncode == 0, output[-4000:]
+
+    assert job_dirs(sweep) == [job], "one run folder for both ranks"
+    log = (job / "train.log").read_text()
+    assert "rank 0 of 2" in log and "SIGUSR2: finishing this step, saving a checkpoint" in log, log[-3000:]
+    submitit_logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*_log.*"))
+    assert "Requeued job" in submitit_logs, submitit_logs[-3000:]
+    steps = [r["step"] for r in read_metrics(job) if "loss" in r]
+    record = json.loads((job / "job.json").read_text())
+    assert record["status"] == "finished" and record["attempt"] == 2 and record["resumed"] is True, record
+    assert steps == list(range(1, 61)), "the requeued job went on from the step the first attempt saved"
+    stopped_at, last = sorted(int(p.name.split("-")[1]) for p in (job / "checkpoints").glob("step-*"))
+    assert 3 <= stopped_at < last == 60
+    assert f"training 60 steps on 2 ranks, from step {stopped_at}" in log, "the second attempt resumed from the save"
+    assert_no_process_left(env[RUN_TAG])
+
+
+@pytest.mark.parametrize(
+    ("preset", "extra", "expected"),
+    [
+        ("slurm", [], ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4"]),
+        ("slurm_multinode", ["hydra.launcher.nodes=3"], ["--nodes=3", "--ntasks-per-node=4", "--gpus-per-node=4"]),
+    ],
+    ids=["one-node", "several-nodes"],
+)
+def test_a_slurm_preset_submits_the_nodes_tasks_and_gpus_of_the_job(tmp_path, preset, extra, expected) -> None:
     """The real submission path up to sbatch: a stand-in sbatch (and srun, which submitit looks for) records the
-    script it is given and refuses, as a machine without Slurm would."""
+    script it is given and refuses, as a machine without Slurm would. One node: one task that starts the workers;
+    several: one task per rank (parallel=ddp4: 4 per node, one GPU each)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text('#!/bin/sh\ncp "$1" "$SBATCH_RECORD"\necho "sbatch: no Slurm here" >&2\nexit 1\n')
@@ -230,14 +287,14 @@ def test_the_slurm_preset_submits_one_node_one_task_with_the_jobs_gpus(tmp_path)
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     record, sweep = tmp_path / "submitted.sh", tmp_path / "sweep"
-    command = [sys.executable, "-m", "ddptrain", "-m", "hydra/launcher=slurm", "parallel=ddp4"]
+    command = [sys.executable, "-m", "ddptrain", "-m", f"hydra/launcher={preset}", "parallel=ddp4", *extra]
     command += ["hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=90", "optim.lr=0.001,0.002"]
     command += [f"trainer.output_dir={tmp_path}", f"hydra.sweep.dir={sweep}", "trainer.device=cuda"]
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SBATCH_RECORD": str(record)}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "sbatch: no Slurm here" in result.stderr, result.stderr[-2000:]
     script = record.read_text()
-    for line in ("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4", "--partition=gpu", "--time=90"):
+    for line in (*expected, "--partition=gpu", "--time=90", "--signal=USR2@120"):
         assert f"#SBATCH {line}\n" in script, script
     assert "#SBATCH --array=0-1%" in script, "one array task per sweep job"
     assert "#SBATCH --job-name=ddptrain\n" in script

@@ -94,3 +94,20 @@ def test_a_running_record_whose_process_is_gone_reads_as_interrupted(tmp_path) -
     assert jobs.status_of(record) == "interrupted"
     assert jobs.status_of({**record, "pid": jobs.os.getpid()}) == "running"
     assert jobs.status_of({**record, "host": "another-node"}) == "running", "no way to tell on another host"
+
+
+def test_the_other_ranks_of_a_job_whose_tasks_are_its_ranks_leave_the_record_to_rank_0(tmp_path, monkeypatch) -> None:
+    """hydra/launcher=slurm_multinode: every task runs the job. Rank 1 finds rank 0's fresh ``running`` record (a live
+    process: rank 0's) and trains with it, writing nothing; when rank 0 found the job finished, rank 1 skips it too."""
+    rank1 = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_LOCALID": "1"}
+    rank1 |= {"SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_JOB_ID": "77"}
+    for name, value in rank1.items():
+        monkeypatch.setenv(name, value)
+    rank0_running = {"overrides": OVERRIDES, "status": "running", "host": jobs.socket.gethostname(), "pid": os.getpid()}
+    jobs.write_record(tmp_path, rank0_running)
+    calls = []
+    assert jobs.run_sweep_job(lambda: calls.append(1) or 3.0, tmp_path, OVERRIDES, 0) == 3.0
+    assert calls == [1] and jobs.read_record(tmp_path) == rank0_running, "rank 1 trained and left the record alone"
+    jobs.write_record(tmp_path, {**rank0_running, "status": "finished", "objective": 2.0})
+    assert jobs.run_sweep_job(lambda: calls.append(1) or 3.0, tmp_path, OVERRIDES, 0) == 2.0
+    assert calls == [1], "rank 1 skipped the job rank 0 skips"
