@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +51,22 @@ def read_record(job_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+@contextlib.contextmanager
+def replaced_atomically(path: Path) -> Iterator[Path]:
+    """A name beside ``path`` to write the new file under; once written, it replaces ``path`` in one step. A report
+    read while jobs still write (or several jobs of a parallel sweep rewriting the report as they end) sees the old
+    file or the new one, never half of one."""
+    partial = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
+    yield partial
+    os.replace(partial, path)
+
+
 def write_record(job_dir: Path, record: dict[str, Any]) -> None:
-    """Write ``job.json`` atomically: a report reading it at the same moment sees the old or the new one."""
+    """Write ``job.json`` atomically (``replaced_atomically``)."""
     path = Path(job_dir) / JOB_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{JOB_FILE}.{os.getpid()}")
-    partial.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, path)
+    with replaced_atomically(path) as partial:
+        partial.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def status_of(record: dict[str, Any] | None) -> str | None:

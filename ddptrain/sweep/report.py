@@ -25,7 +25,6 @@ import contextlib
 import csv
 import io
 import math
-import os
 import re
 import sys
 import time
@@ -88,18 +87,19 @@ def _differing(all_overrides: list[list[str]]) -> list[list[str]]:
     return [[o for o in overrides if o not in shared] for overrides in all_overrides]
 
 
-def job_row(folder: Path) -> dict[str, Any]:
-    """One job's row (``COLUMNS``, plus ``notes``), from what its folder holds now."""
-    record = jobs.read_record(folder)
+def job_row(folder: Path, record: dict[str, Any] | None) -> dict[str, Any]:
+    """One job's row (``COLUMNS``, plus ``notes``), from what its folder holds now and its record (``job.json``)."""
     status = jobs.status_of(record) or ("started" if (folder / "metrics.jsonl").exists() else "not started")
     row: dict[str, Any] = dict.fromkeys(COLUMNS)
     row |= {"job": _job_number(folder)[0], "folder": folder.name, "status": status, "notes": _notes(record, status)}
+    row["curve"] = []  # (step, training loss) as logged: the loss plot's line for this job
     if record is not None:
         row["wall_s"] = _wall_s(record, status)
     with contextlib.suppress(DiagnoseError):  # no metrics yet: the row keeps its status and notes
         records, evals = read_metrics(folder)
         if records:
             row |= _figures(summarize(records, evals, RunSettings.load(folder)))
+        row["curve"] = [(r["step"], _finite(r.get("loss"))) for r in records]
     return row
 
 
@@ -168,8 +168,9 @@ def _finite(value: Any) -> float | None:
 def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     """Every job's row, best first, ``overrides`` narrowed to what differs between the jobs."""
     folders = job_folders(sweep_dir)
-    rows = [job_row(f) for f in folders]
-    for row, differing in zip(rows, _differing([_overrides(f, jobs.read_record(f)) for f in folders])):
+    records = [jobs.read_record(f) for f in folders]  # read once: a running job may rewrite it meanwhile
+    rows = [job_row(f, r) for f, r in zip(folders, records)]
+    for row, differing in zip(rows, _differing([_overrides(f, r) for f, r in zip(folders, records)])):
         row["overrides"] = " ".join(differing)
     return sorted(rows, key=_rank_key)
 
@@ -191,10 +192,8 @@ def write_sweep_report(sweep_dir: Path, plots: bool = True) -> list[dict[str, An
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Jobs of a parallel sweep end at the same time and each rewrites the report: a reader never sees half."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(text)
-    os.replace(partial, path)
+    with jobs.replaced_atomically(path) as partial:
+        partial.write_text(text)
 
 
 def _csv(rows: list[dict[str, Any]]) -> str:
@@ -263,11 +262,9 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[str]:
     FigureCanvasAgg(curves)
     ax = curves.subplots()
     for row, label in zip(in_job_order, labels):
-        try:
-            records, _ = read_metrics(sweep_dir / row["folder"])
-        except DiagnoseError:
-            continue
-        ax.plot([r["step"] for r in records], [_finite(r.get("loss")) for r in records], marker=".", label=label)
+        if row["curve"]:
+            steps, losses = zip(*row["curve"])
+            ax.plot(steps, losses, marker=".", label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss")
     if ax.lines:
@@ -288,9 +285,8 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _save(figure: Any, path: Path) -> None:
-    partial = path.with_name(f".{path.stem}.{os.getpid()}.png")
-    figure.savefig(partial, dpi=100)
-    os.replace(partial, path)
+    with jobs.replaced_atomically(path) as partial:  # keeps the suffix: matplotlib picks the format from it
+        figure.savefig(partial, dpi=100)
 
 
 def console_lines(sweep_dir: Path, rows: list[dict[str, Any]], top: int = 3) -> str:
