@@ -172,10 +172,16 @@ CASES = {
 }
 
 
+# The checkpoint a stop writes is the same whichever signal asked for it: one case per launcher resumes from it.
+RESUMED_CASES = ("self-launch-SIGTERM-to-launcher", "torchrun-SIGTERM-to-workers")
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_signal_saves_a_checkpoint_stops_within_seconds_and_resumes_bit_identical(
     tmp_path, uninterrupted, case
 ) -> None:
+    """Every case: one checkpoint, the stop line, the exit code, no process left. RESUMED_CASES also resume from
+    that checkpoint and end bit-identical to the uninterrupted run."""
     launcher, send, sig, expected_exit = CASES[case]
     out = tmp_path / "run"
     command = [*(TORCHRUN if launcher == "torchrun" else [sys.executable]), "-m", "ddptrain", *ARGS]
@@ -215,6 +221,8 @@ def test_signal_saves_a_checkpoint_stops_within_seconds_and_resumes_bit_identica
     assert output.count(f"{line}resume with trainer.resume={run_dir}\n") == 1, output[-3000:]
     if case == "self-launch-SIGTERM-to-launcher":
         assert_a_stopped_run_is_diagnosed(run_dir, stopped_at)
+    if case not in RESUMED_CASES:
+        return
 
     resumed = run_ddptrain([*ARGS, f"trainer.resume={run_dir}", f"trainer.output_dir={tmp_path}/resumed"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
