@@ -94,12 +94,13 @@ def hydra_job(dict_cfg: Any) -> float | None:
     from ddptrain.sweep.jobs import run_sweep_job
 
     overrides = list(hydra_cfg.overrides.task)
-    requeue = signals.scheduler_handler()  # submitit's, under Slurm: ddptrain's own handlers replace it meanwhile
-    try:
-        return run_sweep_job(lambda: run(_validated(dict_cfg), run_dir), run_dir, overrides, int(hydra_cfg.job.num))
-    except SystemExit:
-        signals.hand_on_preemption(requeue)  # stopped by Slurm's time-limit warning: saved and recorded, now requeue
-        raise
+    requeue = signals.scheduler_handler()  # submitit's, in a submitit job: see signals.preemption_deferred
+    with signals.preemption_deferred(requeue):
+        try:
+            return run_sweep_job(lambda: run(_validated(dict_cfg), run_dir), run_dir, overrides, int(hydra_cfg.job.num))
+        except SystemExit as stop:
+            signals.hand_on_preemption(requeue, stop.code)  # stopped by Slurm's time-limit warning, saved: requeue
+            raise
 
 
 def _validated(dict_cfg: Any) -> RunConfig:
@@ -112,10 +113,11 @@ def _validated(dict_cfg: Any) -> RunConfig:
 def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
     """Train as this process was started (see the module docstring), then exit as the run ended.
 
-    Exit codes of ``python -m ddptrain``: 0 finished; 75 stopped by SIGTERM or Ctrl-C after saving a
+    Exit codes of ``python -m ddptrain``: 0 finished; 75 stopped by SIGTERM, SIGUSR2 or Ctrl-C after saving a
     checkpoint (``signals.STOPPED_EXIT_CODE``: the same command with ``trainer.resume=<run dir>``
     continues); 130 aborted by a second Ctrl-C; 1 failed. Under torchrun a rank stopped by a
-    signal exits 0: a non-zero exit would make ``torchrun --max-restarts`` restart the group.
+    signal exits 0: a non-zero exit would make ``torchrun --max-restarts`` restart the group. So do the
+    ranks other than 0 of a scheduler's job whose tasks are its ranks (rank 0 exits 75).
 
     Args:
         cfg: validated run config.
@@ -213,10 +215,26 @@ def _torchrun_round(
 
 def _meet_at(start: Start) -> None:
     """Where the tasks of a scheduler's job form their group (``Start.master_addr``, ``master_port``): rank 0 hosts
-    the store. On one machine (``submitit_local``) the tasks share its cores: one thread each unless told otherwise."""
+    the store. On one machine (``submitit_local``) the tasks share its cores: one thread each unless told otherwise.
+
+    Raises:
+        SystemExit: no address to meet at (a Slurm job without SLURM_JOB_NODELIST), naming the fix.
+    """
+    if not start.master_addr:
+        sys.exit(
+            "ddptrain: this Slurm job's tasks have no node to meet on (SLURM_JOB_NODELIST is empty): export "
+            "MASTER_ADDR=<the first node> in hydra.launcher.setup."
+        )
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = start.master_addr, str(start.master_port)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as for self-launched workers: loader workers fork
     if start.scheduler == "local":
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(visible_cpus()) // start.local_world_size)))
+    if start.is_rank_zero:
+        print(
+            f"ddptrain: {start.world_size} tasks of {start.scheduler} job {start.run_id} meet at "
+            f"{start.master_addr}:{start.master_port} (rank 0 hosts the store; MASTER_ADDR / MASTER_PORT choose them)",
+            file=sys.stderr,
+        )
 
 
 def _remove_unused_hydra_folder(hydra_dir: Path) -> None:
@@ -268,7 +286,9 @@ def _exit_if_stopped(
         return
     how = f"stopped by {result[signals.STOPPED_BY]}"
     console.say(signals.stopped_line(how, run_dir, result[signals.STOPPED_AT_STEP]))
-    if not start.elastic or start.scheduler:  # under torchrun the rank returns and exits 0: see ``run``
+    # Under torchrun a rank returns and exits 0 (see ``run``); so do the ranks other than 0 of a scheduler's job:
+    # rank 0 records the stop and hands the signal on, and an srun with --kill-on-bad-exit must not end it first.
+    if not start.elastic or (start.scheduler and start.is_rank_zero):
         sys.exit(signals.STOPPED_EXIT_CODE)
 
 
@@ -464,6 +484,10 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
             trainer.close(status)
         if status == "finished":
             console.say(f"ddptrain: done. Results in {agreed}")
+        # A failed rank is a process on its way out, unless it is a scheduler's task (Hydra and submitit still
+        # record the job): nothing may keep it from exiting.
+        if status == "failed" and env.world_size > 1 and not start.scheduler:
+            parallel.exit_soon()
         # The process exits next: skip the garbage collections of interpreter shutdown, seconds
         # with torch and transformers loaded (measured 2.9 s -> 0.4 s), which delay a stop by signal.
         gc.freeze()

@@ -203,7 +203,7 @@ def _pick_backend(backend: Backend, device: torch.device) -> str:
     return backend.value
 
 
-# How long a failed rank may take to leave the group and exit (see ``teardown``); normally well under a second.
+# How long a failed rank may take to leave the group, and then to exit (see ``exit_soon``); normally under a second.
 FAILED_EXIT_GRACE_S = 30.0
 
 
@@ -213,11 +213,8 @@ def teardown() -> None:
     On a normal exit the ranks first meet at a barrier, so that they destroy the group together:
     one that tears its connections down while another still works can leave that one hanging
     inside ``destroy_process_group`` (seen once in CI on gloo). Called while an exception
-    propagates (from a ``finally``), there is no barrier: the other ranks may be gone. The process
-    is on its way out then, and nothing may keep it there: if leaving the group, writing the
-    error record and the interpreter's exit take longer than ``FAILED_EXIT_GRACE_S`` (a 2-rank CI
-    run whose ranks both failed at once hung 300 s somewhere past the error), ``faulthandler`` prints
-    every thread's stack and ends the process with exit code 1, so the launcher reports the failure.
+    propagates (from a ``finally``), there is no barrier: the other ranks may be gone, and leaving the
+    group may not hang either (``exit_soon`` watches it).
     """
     if not dist.is_initialized():
         return
@@ -225,8 +222,18 @@ def teardown() -> None:
     if sys.exc_info()[0] is None and several:
         dist.barrier()
     elif several:
-        faulthandler.dump_traceback_later(FAILED_EXIT_GRACE_S, exit=True)
+        exit_soon()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+
+
+def exit_soon(grace_s: float | None = None) -> None:
+    """For a rank that failed, on its way out: should it still be here after ``grace_s`` (default
+    FAILED_EXIT_GRACE_S), ``faulthandler`` prints every thread's stack and ends the process with exit code 1, so
+    its launcher sees the failure. A 2-rank CI run whose ranks both failed at once hung 300 s somewhere past the
+    error; a non-daemon thread that never ends keeps a process alive the same way. ``teardown`` arms it while it
+    leaves the group; ``launch.worker`` once the rank's run has closed. A later call replaces an earlier one."""
+    faulthandler.dump_traceback_later(FAILED_EXIT_GRACE_S if grace_s is None else grace_s, exit=True)
 
 
 # ----------------------------------------------------------------------------- DDP

@@ -2,7 +2,7 @@
 
 Two sides:
 
-- Every worker runs its training loop inside ``stop_on_signals()``. SIGTERM (pre-emption) or a
+- Every worker runs its training loop inside ``stop_on_signals()``. SIGTERM (pre-emption), SIGUSR2 or a
   first SIGINT (Ctrl-C) only sets a flag; the trainer all-reduces it with the step's token count,
   so every rank stops after the same step, saves one checkpoint and returns normally. The worker
   exits 0: under ``torchrun --max-restarts N`` a non-zero exit would restart the group.
@@ -65,8 +65,9 @@ STOP_ENV = "DDPTRAIN_STOP_SIGNAL"
 # repeat as the same request, so a forwarded copy that arrives late can never abort the run.
 SELF_LAUNCHED_ENV = "DDPTRAIN_SELF_LAUNCHED"
 # A signal nobody else sends: not SIGUSR2 (Slurm's warning before the time limit must stop a run with a checkpoint,
-# not abort it) nor SIGUSR1 (``kill -USR1`` prints a rank's stacks, see ``hangs``).
-ABORT_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGUSR2)
+# not abort it) nor SIGUSR1 (``kill -USR1`` prints a rank's stacks, see ``hangs``). Where there are no real-time
+# signals (macOS), the virtual-time alarm, which nothing here sets.
+ABORT_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGVTALRM)
 # Keys ``Trainer.fit`` adds to its result when it stopped on a signal.
 STOPPED_BY = "stopped_by"
 STOPPED_AT_STEP = "stopped_at_step"
@@ -79,7 +80,8 @@ class Aborted(KeyboardInterrupt):
     """
 
 
-# The first stop signal this process took (in a worker or in the self-launcher): see ``stopped_by_preemption``.
+# The first stop signal this process took (in a worker, the self-launcher, or ``preemption_deferred``): see
+# ``hand_on_preemption``.
 _first_stop: dict[str, signal.Signals] = {}
 
 
@@ -90,10 +92,36 @@ def scheduler_handler() -> Any:
     return handler if callable(handler) else None
 
 
-def hand_on_preemption(handler: Any) -> None:
-    """After a run stopped on PREEMPT_SIGNAL (saved, its record written): give the signal to the scheduler's
-    handler, which requeues the job (submitit does on global rank 0, and exits). Nothing otherwise."""
-    if handler is not None and _first_stop.get("signal") == PREEMPT_SIGNAL:
+@contextlib.contextmanager
+def preemption_deferred(handler: Any) -> Iterator[None]:
+    """While a scheduler's job runs (``handler``: submitit's, from ``scheduler_handler``), PREEMPT_SIGNAL never
+    reaches submitit directly: submitit would requeue the job and exit at once, in the middle of a save, of the
+    report, or of a run that had finished. Whenever no training loop listens (start-up, the end), it is only noted:
+    a run that has not begun training starts with the stop already requested (STOP_ENV) and ends before its first
+    step, and ``hand_on_preemption`` hands the signal to submitit once the job's record says stopped. A run that
+    finished keeps its result. Nothing happens without a handler (outside a submitit job)."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        _first_stop.setdefault("signal", PREEMPT_SIGNAL)
+        os.environ.setdefault(STOP_ENV, PREEMPT_SIGNAL.name)
+        log.warning("%s: noted; the run stops before its next step and the job is requeued", PREEMPT_SIGNAL.name)
+
+    previous = signal.signal(PREEMPT_SIGNAL, note)
+    try:
+        yield
+    finally:
+        signal.signal(PREEMPT_SIGNAL, previous)
+
+
+def hand_on_preemption(handler: Any, exit_code: Any) -> None:
+    """After a run stopped on PREEMPT_SIGNAL and exits with STOPPED_EXIT_CODE (saved, its record written): give the
+    signal to the scheduler's handler, which requeues the job (submitit does on global rank 0, then exits). Not
+    after an abort or a failure, not for any other signal."""
+    stopped = exit_code == STOPPED_EXIT_CODE and _first_stop.get("signal") == PREEMPT_SIGNAL
+    if handler is not None and stopped:
         log.info("%s: the run has saved; handing the signal on to the job's scheduler", PREEMPT_SIGNAL.name)
         handler(PREEMPT_SIGNAL, None)
 
@@ -144,7 +172,8 @@ class StopRequest:
 
 @contextlib.contextmanager
 def stop_on_signals(stop: StopRequest | None = None) -> Iterator[StopRequest]:
-    """In a worker: turn SIGTERM and a first Ctrl-C into a request to checkpoint and stop; a second Ctrl-C aborts.
+    """In a worker: turn SIGTERM, SIGUSR2 and a first Ctrl-C into a request to checkpoint and stop; a second Ctrl-C
+    aborts.
 
     Args:
         stop: the request of an enclosing use (so the saving after the loop still counts repeats
@@ -255,7 +284,7 @@ def start_resource_tracker_deaf_to_preemption() -> None:
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """``worker_init_fn`` of the DataLoader: its workers ignore SIGTERM and Ctrl-C.
+    """``worker_init_fn`` of the DataLoader: its workers ignore STOP_SIGNALS (SIGTERM, Ctrl-C, SIGUSR2).
 
     A terminal's Ctrl-C, or a scheduler signalling every process of the job, also reaches the
     loader's workers; they must not die mid-epoch while the training process finishes its step and

@@ -35,8 +35,9 @@ SUBMITIT_TASK_VARS = {
     ),
 }
 # The rendezvous port of a job whose tasks are its ranks, unless MASTER_PORT is set: derived from the job id, so
-# two jobs whose first node is the same get different ports (unless their ids are PORT_SPAN apart).
-PORT_BASE, PORT_SPAN = 20000, 20000
+# two jobs whose first node is the same get different ports (unless their ids are PORT_SPAN apart). 15000-28999:
+# below Linux's ephemeral ports (32768 on), clear of torchrun's 29400 and 29500.
+PORT_BASE, PORT_SPAN = 15000, 14000
 
 
 @dataclass(frozen=True)
@@ -112,10 +113,7 @@ def _submitit_task(cls: type[Start], environ: Mapping[str, str]) -> Start | None
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: ``gpu[007-009,012],cpu1`` gives ``gpu007`` (zero padding kept)."""
-    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?([^,]*)", nodelist.strip())
-    if head is None or not head.group(0):
-        return "127.0.0.1"
-    prefix, ranges, suffix = head.groups()
-    first = re.split(r"[-,]", ranges)[0] if ranges else ""
-    return f"{prefix}{first}{suffix}"
+    """The first host of a Slurm node list ("" for an empty one): ``gpu[007-009,012],cpu1`` gives ``gpu007`` (zero
+    padding kept), ``rack[1-2]-n[01-02]`` gives ``rack1-n01``."""
+    first_group = re.split(r",(?![^\[]*\])", nodelist.strip())[0]  # a comma outside brackets ends a group
+    return re.sub(r"\[([^\]]*)\]", lambda ranges: re.split(r"[-,]", ranges.group(1))[0], first_group)

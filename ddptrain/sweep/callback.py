@@ -17,6 +17,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from ddptrain.started import Start
+
 log = logging.getLogger(__name__)
 
 
@@ -24,7 +26,8 @@ class SweepReport(Callback):
     """Writes ``report.md``, ``report.csv`` and the plots into the sweep folder as jobs end."""
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        if config.hydra.mode == RunMode.MULTIRUN:
+        # A job whose tasks are its ranks (hydra/launcher=slurm_multinode) ends in every task: rank 0 writes.
+        if config.hydra.mode == RunMode.MULTIRUN and Start.from_environ().is_rank_zero:
             refresh(Path(str(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -56,9 +56,13 @@ def replaced_atomically(path: Path) -> Iterator[Path]:
     """A name beside ``path`` to write the new file under; once written, it replaces ``path`` in one step. A report
     read while jobs still write (or several jobs of a parallel sweep rewriting the report as they end) sees the old
     file or the new one, never half of one."""
-    partial = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
-    yield partial
-    os.replace(partial, path)
+    # Host and pid: the jobs of a sweep on several machines share its folder, and two of them may have the same pid.
+    partial = path.with_name(f".{path.stem}.{socket.gethostname()}.{os.getpid()}{path.suffix}")
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)  # only left when the write failed
 
 
 def write_record(job_dir: Path, record: dict[str, Any]) -> None:
@@ -70,13 +74,25 @@ def write_record(job_dir: Path, record: dict[str, Any]) -> None:
 
 
 def status_of(record: dict[str, Any] | None) -> str | None:
-    """The record's status, with a ``running`` job whose process no longer exists read as ``interrupted``."""
+    """The record's status, with a ``running`` job whose process no longer exists read as ``interrupted``; so is one
+    written by an earlier attempt of the scheduler's job this process runs in (Slurm requeued it, maybe on another
+    node, after its processes were killed before they could say they ended)."""
     if record is None:
         return None
+    if record.get("status") != RUNNING:
+        return record.get("status")
     here = record.get("host") == socket.gethostname()
-    if record.get("status") == RUNNING and here and not _alive(int(record.get("pid", -1))):
+    if here and not _alive(int(record.get("pid", -1))):
         return INTERRUPTED
-    return record.get("status")
+    earlier_attempt = record.get("scheduler_job") is not None and record.get("scheduler_job") == scheduler_job()
+    if earlier_attempt and not (here and record.get("pid") == os.getpid()):
+        return INTERRUPTED
+    return RUNNING
+
+
+def scheduler_job() -> str | None:
+    """The id of the Slurm job (or submitit's local job) this process runs in, which a requeue keeps; None outside."""
+    return os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
 
 
 def _alive(pid: int) -> bool:
@@ -109,18 +125,13 @@ def run_sweep_job(train: Callable[[], float | None], job_dir: Path, overrides: l
     """
     job_dir = Path(job_dir)
     previous = read_record(job_dir)
+    _refuse_another_job(previous, job_dir, overrides, num)
     if not Start.from_environ().is_rank_zero:
-        return _as_another_rank(train, previous, overrides)
+        return _as_another_rank(train, previous)
     if previous is not None and status_of(previous) == RUNNING:
         raise JobFailed(
             f"job {num}: {job_dir} is in use by a running job (process {previous.get('pid')} on "
             f"{previous.get('host')}): wait for it, or stop it, before running this sweep again."
-        )
-    if previous is not None and sorted(previous.get("overrides", [])) != sorted(overrides):
-        raise JobFailed(
-            f"job {num}: {job_dir} holds a job with other overrides ({' '.join(previous.get('overrides', []))}) "
-            f"than this one ({' '.join(overrides)}): rerun with the same command to resume that sweep, or give "
-            "this one a folder of its own (hydra.sweep.dir=...)."
         )
     if previous is not None and previous.get("status") == FINISHED:
         log.warning("job %d (%s) finished in an earlier run of this sweep: skipped", num, " ".join(overrides))
@@ -139,11 +150,21 @@ def run_sweep_job(train: Callable[[], float | None], job_dir: Path, overrides: l
     return value
 
 
-def _as_another_rank(train: Callable[[], float | None], record: dict[str, Any] | None, overrides: list[str]) -> Any:
+def _refuse_another_job(previous: dict[str, Any] | None, job_dir: Path, overrides: list[str], num: int) -> None:
+    """Every rank refuses a folder that holds another job (the same verdict on each: none waits for a rank 0 that
+    refused)."""
+    if previous is not None and sorted(previous.get("overrides", [])) != sorted(overrides):
+        raise JobFailed(
+            f"job {num}: {job_dir} holds a job with other overrides ({' '.join(previous.get('overrides', []))}) "
+            f"than this one ({' '.join(overrides)}): rerun with the same command to resume that sweep, or give "
+            "this one a folder of its own (hydra.sweep.dir=...)."
+        )
+
+
+def _as_another_rank(train: Callable[[], float | None], record: dict[str, Any] | None) -> Any:
     """A rank other than 0 of a job whose tasks are its ranks (``hydra/launcher=slurm_multinode``): rank 0 keeps the
     record; this one trains with it, or skips with it the job an earlier run of the sweep finished."""
-    same_job = record is not None and sorted(record.get("overrides", [])) == sorted(overrides)
-    if same_job and record.get("status") == FINISHED:
+    if record is not None and record.get("status") == FINISHED:
         return record.get("objective")
     return train()
 
@@ -167,6 +188,7 @@ def _started(job_dir: Path, overrides: list[str], num: int, previous: dict[str, 
         "wall_s": wall,
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "scheduler_job": scheduler_job(),
     }
 
 

@@ -97,9 +97,9 @@ def job_row(folder: Path, record: dict[str, Any] | None) -> dict[str, Any]:
         row["wall_s"] = _wall_s(record, status)
     with contextlib.suppress(DiagnoseError):  # no metrics yet: the row keeps its status and notes
         records, evals = read_metrics(folder)
+        row["curve"] = [(r["step"], _finite(r.get("loss"))) for r in records]
         if records:
             row |= _figures(summarize(records, evals, RunSettings.load(folder)))
-        row["curve"] = [(r["step"], _finite(r.get("loss"))) for r in records]
     return row
 
 

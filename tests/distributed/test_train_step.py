@@ -208,7 +208,6 @@ def test_a_failed_rank_exits_even_when_something_keeps_it_alive(tmp_path, capfd)
     with pytest.raises(RuntimeError, match="training failed") as failed:
         launch(cfg, run_dir, entrypoint=fail_with_a_thread_that_never_ends)
     assert time.monotonic() - started < 60
-    assert sorted(p.name for p in run_dir.glob("failing*.txt")) == ["failing0.txt", "failing1.txt"]
     assert "rank 0 (exit code 1): RuntimeError: rank 0 failed on purpose" in str(failed.value)
     err = capfd.readouterr().err
     assert err.count("Timeout (0:00:03)!") == 2, "each rank printed its stacks"

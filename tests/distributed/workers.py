@@ -174,16 +174,17 @@ def _listening_addresses(pids: set[int]) -> list[str]:
 
 
 def fail_with_a_thread_that_never_ends(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
-    """Both ranks fail at once while a non-daemon thread (a user's logger, say) never ends: the interpreter's exit
-    would wait for it forever. The grace is shortened so the test is quick; the product's is 30 s."""
+    """The product's worker, whose training fails on both ranks at once while a non-daemon thread (a user's logger,
+    say) never ends: the interpreter's exit would wait for it forever. The grace is shortened so the test is quick;
+    the product's is 30 s."""
     import threading
 
+    from ddptrain import launch, trainer
+
+    def fails(self: Trainer) -> None:
+        raise RuntimeError(f"rank {self.env.rank} failed on purpose")
+
+    trainer.Trainer.fit = fails
     parallel.FAILED_EXIT_GRACE_S = 3.0
-    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
     threading.Thread(target=threading.Event().wait, name="never-ends", daemon=False).start()
-    try:
-        parallel.barrier()
-        (Path(run_dir) / f"failing{env.rank}.txt").write_text("1")
-        raise RuntimeError(f"rank {env.rank} failed on purpose")
-    finally:
-        parallel.teardown()
+    launch.worker(cfg, run_dir, store_port)

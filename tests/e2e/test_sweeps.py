@@ -3,6 +3,7 @@ job that lets the others finish, the sweep report, and a killed sweep that resum
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -221,10 +222,18 @@ def test_submitit_local_runs_a_two_job_sweep(tmp_path) -> None:
         assert [row["status"] for row in csv.DictReader(f)] == ["finished", "finished"]
 
 
-def _submitit_tasks() -> list[int]:
-    """The processes submitit started for a job's tasks (each runs ``submitit.core._submit``)."""
-    found = subprocess.run(["pgrep", "-f", "submitit.core._submit"], capture_output=True, text=True).stdout.split()
-    return [int(pid) for pid in found]
+def _submitit_tasks(root: int) -> list[int]:
+    """The processes submitit started for the job's tasks (each runs ``submitit.core._submit``), among ``root``'s
+    descendants only: never another test's."""
+    found, todo = [], [root]
+    while todo:
+        children = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout.split()
+        for pid in map(int, children):
+            todo.append(pid)
+            with contextlib.suppress(FileNotFoundError):
+                if b"submitit.core._submit" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+    return found
 
 
 def test_a_submitit_job_whose_tasks_are_its_ranks_saves_on_usr2_and_resumes_when_requeued(tmp_path) -> None:
@@ -241,12 +250,13 @@ def test_a_submitit_job_whose_tasks_are_its_ranks_saves_on_usr2_and_resumes_when
     env.pop("MASTER_PORT", None)
     sweeper = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     job = sweep / "0_"  # a sweep of one job: no key takes more than one value
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and sweeper.poll() is None:
-        if (job / "metrics.jsonl").is_file() and any(r.get("step", 0) >= 3 for r in read_written_metrics(job)):
-            break
+    deadline, training = time.monotonic() + 120, False
+    while not training and time.monotonic() < deadline and sweeper.poll() is None:
+        metrics = job / "metrics.jsonl"
+        training = metrics.is_file() and any(r.get("step", 0) >= 3 for r in read_written_metrics(job))
         time.sleep(0.1)
-    tasks = _submitit_tasks()
+    assert training, "the job never reached step 3"
+    tasks = _submitit_tasks(sweeper.pid)
     assert len(tasks) == 2, tasks
     for pid in tasks:
         os.kill(pid, signal.SIGUSR2)

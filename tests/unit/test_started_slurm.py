@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddptrain.started import Start, first_host
+from ddptrain.started import PORT_BASE, PORT_SPAN, Start, first_host
 
 # Rank 5 of a 2-node job with 4 tasks per node, as srun sets it for a submitit job (SUBMITIT_EXECUTOR from its script).
 SLURM_RANK5 = {
@@ -31,7 +31,8 @@ def test_every_task_derives_the_same_port_and_two_jobs_get_different_ones() -> N
     ports = {Start.from_environ({**SLURM_RANK5, "SLURM_PROCID": str(r)}).master_port for r in range(8)}
     assert len(ports) == 1
     other = Start.from_environ({**SLURM_RANK5, "SLURM_JOB_ID": "4712"}).master_port
-    assert other not in ports and all(1024 < p < 65536 for p in (*ports, other))
+    # Below Linux's ephemeral ports (32768 on), where an outgoing connection could hold the port already.
+    assert other not in ports and all(PORT_BASE <= p < PORT_BASE + PORT_SPAN < 32768 for p in (*ports, other))
 
 
 def test_master_addr_and_port_from_the_environment_win() -> None:
@@ -64,8 +65,19 @@ def test_a_local_submitit_job_meets_on_loopback() -> None:
     assert (start.rank, start.world_size, start.local_world_size, start.master_addr) == (1, 2, 2, "127.0.0.1")
 
 
-@pytest.mark.parametrize("nodelist", ["gpu[007-009,012],cpu1", "node1", "node3,node1", "n[10-11]-ib,m2", "a[099]"])
+@pytest.mark.parametrize(
+    "nodelist",
+    ["gpu[007-009,012],cpu1", "node1", "node3,node1", "n[10-11]-ib,m2", "a[099]", "rack[1-2]-node[01-02],x[3-4]"],
+)
 def test_the_first_host_is_the_one_submitit_and_slurm_list_first(nodelist: str) -> None:
     from submitit.slurm.slurm import _parse_node_list
 
     assert first_host(nodelist) == _parse_node_list(nodelist)[0]
+
+
+def test_a_slurm_job_without_a_node_list_is_refused_naming_the_fix() -> None:
+    from ddptrain import launch
+
+    start = Start.from_environ({k: v for k, v in SLURM_RANK5.items() if k != "SLURM_JOB_NODELIST"})
+    with pytest.raises(SystemExit, match="export MASTER_ADDR=<the first node>"):
+        launch._meet_at(start)

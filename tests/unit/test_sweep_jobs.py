@@ -111,3 +111,35 @@ def test_the_other_ranks_of_a_job_whose_tasks_are_its_ranks_leave_the_record_to_
     jobs.write_record(tmp_path, {**rank0_running, "status": "finished", "objective": 2.0})
     assert jobs.run_sweep_job(lambda: calls.append(1) or 3.0, tmp_path, OVERRIDES, 0) == 2.0
     assert calls == [1], "rank 1 skipped the job rank 0 skips"
+
+
+def test_a_record_left_running_by_an_earlier_attempt_of_the_same_slurm_job_is_interrupted(
+    tmp_path, monkeypatch
+) -> None:
+    """Slurm requeued the job after killing it (its record still says running), maybe onto another node, where the
+    process id says nothing: the job id, which a requeue keeps, says it was this job's own earlier attempt."""
+    left = {"overrides": OVERRIDES, "status": "running", "host": "node-that-was-preempted", "pid": 4242}
+    jobs.write_record(tmp_path, {**left, "scheduler_job": "777", "started_at": time.time(), "earlier_wall_s": 0.0})
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
+    assert jobs.status_of(jobs.read_record(tmp_path)) == "interrupted"
+    assert jobs.run_sweep_job(lambda: 1.5, tmp_path, OVERRIDES, 0) == 1.5
+    monkeypatch.setenv("SLURM_JOB_ID", "778")  # another job: that one may still be running there
+    jobs.write_record(tmp_path, {**left, "scheduler_job": "777"})
+    with pytest.raises(jobs.JobFailed, match="in use by a running job"):
+        jobs.run_sweep_job(lambda: 1.5, tmp_path, OVERRIDES, 0)
+
+
+def test_every_rank_refuses_a_folder_holding_another_job(tmp_path, monkeypatch) -> None:
+    """Rank 1 reaches the same verdict as rank 0 from the record, instead of waiting for a rank 0 that refused."""
+    for name, value in {
+        "SUBMITIT_EXECUTOR": "local",
+        "SUBMITIT_LOCAL_GLOBALID": "1",
+        "SUBMITIT_LOCAL_LOCALID": "1",
+        "SUBMITIT_LOCAL_NTASKS": "2",
+        "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+        "SUBMITIT_LOCAL_JOB_ID": "77",
+    }.items():
+        monkeypatch.setenv(name, value)
+    jobs.write_record(tmp_path, {"overrides": ["optim.lr=0.5"], "status": "finished"})
+    with pytest.raises(jobs.JobFailed, match="holds a job with other overrides"):
+        jobs.run_sweep_job(lambda: 1.0, tmp_path, OVERRIDES, 0)
