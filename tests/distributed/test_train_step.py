@@ -43,7 +43,9 @@ def test_same_parameters_whatever_the_split_into_ranks_and_micro_steps(tmp_path,
     """
     extra = [f"model.gradient_checkpointing={checkpointing}", "optim.max_grad_norm=null", "optim.eps=1e-6"]
     reference = run_layout(tmp_path, "1x1", world=1, accum=1, extra=extra)
-    for name, world, accum in (("1x4", 1, 4), ("2x2", 2, 2), ("2x1", 2, 1)):
+    # With checkpointing, 2 x 2 alone: the layout where recomputation meets both DDP's hooks and accumulation.
+    layouts = (("2x2", 2, 2),) if checkpointing else (("1x4", 1, 4), ("2x2", 2, 2), ("2x1", 2, 1))
+    for name, world, accum in layouts:
         result = run_layout(tmp_path, name, world, accum, extra)
         for key, expected in reference["grads"][0].items():
             diff = relative_diff(result["grads"][0][key], expected)

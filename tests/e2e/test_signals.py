@@ -162,9 +162,9 @@ CASES = {
     # id: (launcher, how the signal is sent, the signal, expected exit code)
     "self-launch-SIGTERM-to-launcher": ("self", to_launcher, signal.SIGTERM, STOPPED_EXIT_CODE),
     # Slurm's warning ahead of the time limit (--signal=USR2@..., as submitit asks) reaches every process of the job:
-    # the launcher and its workers.
+    # the launcher and its workers (which therefore also get it directly, as a scheduler signalling the workers
+    # alone would: torchrun-SIGTERM-to-workers below is that case).
     "self-launch-SIGUSR2-to-every-process": ("self", to_process_group, signal.SIGUSR2, STOPPED_EXIT_CODE),
-    "self-launch-SIGTERM-to-workers": ("self", to_workers, signal.SIGTERM, STOPPED_EXIT_CODE),
     "self-launch-Ctrl-C": ("self", to_process_group, signal.SIGINT, STOPPED_EXIT_CODE),
     "torchrun-SIGTERM-to-workers": ("torchrun", to_workers, signal.SIGTERM, 0),
     # torchrun puts each worker in its own session: a terminal's Ctrl-C reaches torchrun alone, which
