@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -210,9 +211,11 @@ def test_a_failed_rank_exits_even_when_something_keeps_it_alive(tmp_path, capfd)
     with pytest.raises(RuntimeError, match="training failed") as failed:
         launch(cfg, run_dir, entrypoint=fail_with_a_thread_that_never_ends)
     assert time.monotonic() - started < 60
-    assert "rank 0 (exit code 1): RuntimeError: rank 0 failed on purpose" in str(failed.value)
+    # The launcher names the rank it saw end first, with that rank's own error.
+    assert re.search(r"rank (\d) \(exit code 1\): RuntimeError: rank \1 failed on purpose", str(failed.value))
     err = capfd.readouterr().err
-    assert err.count("Timeout (0:00:03)!") == 2, "each rank printed its stacks"
+    # At least that rank printed its stacks (the launcher ends the other once one has failed).
+    assert err.count("Timeout (0:00:03)!") >= 1, err[-3000:]
     assert "_shutdown" in err, "the stacks show where the exit waited (threading._shutdown)"
 
 
