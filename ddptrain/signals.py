@@ -107,7 +107,11 @@ def preemption_deferred(handler: Any) -> Iterator[None]:
     def note(signum: int, frame: Any) -> None:
         _first_stop.setdefault("signal", PREEMPT_SIGNAL)
         os.environ.setdefault(STOP_ENV, PREEMPT_SIGNAL.name)
-        log.warning("%s: noted; the run stops before its next step and the job is requeued", PREEMPT_SIGNAL.name)
+        log.warning(
+            "%s outside training: noted (a run not yet training ends before its first step and is requeued; "
+            "a finished one keeps its result)",
+            PREEMPT_SIGNAL.name,
+        )
 
     previous = signal.signal(PREEMPT_SIGNAL, note)
     try:

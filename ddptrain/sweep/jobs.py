@@ -74,25 +74,26 @@ def write_record(job_dir: Path, record: dict[str, Any]) -> None:
 
 
 def status_of(record: dict[str, Any] | None) -> str | None:
-    """The record's status, with a ``running`` job whose process no longer exists read as ``interrupted``; so is one
-    written by an earlier attempt of the scheduler's job this process runs in (Slurm requeued it, maybe on another
-    node, after its processes were killed before they could say they ended)."""
+    """The record's status, with a ``running`` job whose process no longer exists read as ``interrupted``.
+
+    On this host the process id tells. On another, only a record of an earlier attempt of the Slurm job this process
+    runs in is known to be dead: Slurm requeued the job (same SLURM_JOB_ID, a higher SLURM_RESTART_COUNT), maybe
+    onto another node, after killing its processes before they could say they ended.
+    """
     if record is None:
         return None
     if record.get("status") != RUNNING:
         return record.get("status")
-    here = record.get("host") == socket.gethostname()
-    if here and not _alive(int(record.get("pid", -1))):
-        return INTERRUPTED
-    earlier_attempt = record.get("scheduler_job") is not None and record.get("scheduler_job") == scheduler_job()
-    if earlier_attempt and not (here and record.get("pid") == os.getpid()):
-        return INTERRUPTED
-    return RUNNING
+    if record.get("host") == socket.gethostname():
+        return RUNNING if _alive(int(record.get("pid", -1))) else INTERRUPTED
+    job, restart = slurm_attempt()
+    earlier_attempt = job is not None and record.get("slurm_job") == job and record.get("slurm_restart", 0) < restart
+    return INTERRUPTED if earlier_attempt else RUNNING
 
 
-def scheduler_job() -> str | None:
-    """The id of the Slurm job (or submitit's local job) this process runs in, which a requeue keeps; None outside."""
-    return os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+def slurm_attempt() -> tuple[str | None, int]:
+    """The Slurm job this process runs in and how often it was requeued (None, 0 outside Slurm)."""
+    return os.environ.get("SLURM_JOB_ID"), int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 
 
 def _alive(pid: int) -> bool:
@@ -188,7 +189,8 @@ def _started(job_dir: Path, overrides: list[str], num: int, previous: dict[str, 
         "wall_s": wall,
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "scheduler_job": scheduler_job(),
+        "slurm_job": slurm_attempt()[0],
+        "slurm_restart": slurm_attempt()[1],
     }
 
 

@@ -113,20 +113,24 @@ def test_the_other_ranks_of_a_job_whose_tasks_are_its_ranks_leave_the_record_to_
     assert calls == [1], "rank 1 skipped the job rank 0 skips"
 
 
-def test_a_record_left_running_by_an_earlier_attempt_of_the_same_slurm_job_is_interrupted(
-    tmp_path, monkeypatch
-) -> None:
+def test_a_record_left_running_by_an_earlier_attempt_of_this_slurm_job_is_interrupted(tmp_path, monkeypatch) -> None:
     """Slurm requeued the job after killing it (its record still says running), maybe onto another node, where the
-    process id says nothing: the job id, which a requeue keeps, says it was this job's own earlier attempt."""
+    process id says nothing: the job id, which a requeue keeps, and the restart count, which it raises, say it was
+    this job's own earlier attempt."""
     left = {"overrides": OVERRIDES, "status": "running", "host": "node-that-was-preempted", "pid": 4242}
-    jobs.write_record(tmp_path, {**left, "scheduler_job": "777", "started_at": time.time(), "earlier_wall_s": 0.0})
+    left |= {"slurm_job": "777", "slurm_restart": 0, "started_at": time.time(), "earlier_wall_s": 0.0}
+    jobs.write_record(tmp_path, left)
     monkeypatch.setenv("SLURM_JOB_ID", "777")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     assert jobs.status_of(jobs.read_record(tmp_path)) == "interrupted"
     assert jobs.run_sweep_job(lambda: 1.5, tmp_path, OVERRIDES, 0) == 1.5
-    monkeypatch.setenv("SLURM_JOB_ID", "778")  # another job: that one may still be running there
-    jobs.write_record(tmp_path, {**left, "scheduler_job": "777"})
-    with pytest.raises(jobs.JobFailed, match="in use by a running job"):
-        jobs.run_sweep_job(lambda: 1.5, tmp_path, OVERRIDES, 0)
+    # The same attempt (a second sweep in one allocation), or another job: that one may still be running there.
+    for job, restart in (("777", "0"), ("778", "1")):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", restart)
+        jobs.write_record(tmp_path, left)
+        with pytest.raises(jobs.JobFailed, match="in use by a running job"):
+            jobs.run_sweep_job(lambda: 1.5, tmp_path, OVERRIDES, 0)
 
 
 def test_every_rank_refuses_a_folder_holding_another_job(tmp_path, monkeypatch) -> None:
