@@ -227,13 +227,13 @@ def teardown() -> None:
     faulthandler.cancel_dump_traceback_later()
 
 
-def exit_soon(grace_s: float | None = None) -> None:
-    """For a rank that failed, on its way out: should it still be here after ``grace_s`` (default
-    FAILED_EXIT_GRACE_S), ``faulthandler`` prints every thread's stack and ends the process with exit code 1, so
+def exit_soon() -> None:
+    """For a rank that failed, on its way out: should it still be here after FAILED_EXIT_GRACE_S,
+    ``faulthandler`` prints every thread's stack and ends the process with exit code 1, so
     its launcher sees the failure. A 2-rank CI run whose ranks both failed at once hung 300 s somewhere past the
     error; a non-daemon thread that never ends keeps a process alive the same way. ``teardown`` arms it while it
     leaves the group; ``launch.worker`` once the rank's run has closed. A later call replaces an earlier one."""
-    faulthandler.dump_traceback_later(FAILED_EXIT_GRACE_S if grace_s is None else grace_s, exit=True)
+    faulthandler.dump_traceback_later(FAILED_EXIT_GRACE_S, exit=True)
 
 
 # ----------------------------------------------------------------------------- DDP

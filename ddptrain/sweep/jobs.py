@@ -172,6 +172,7 @@ def _as_another_rank(train: Callable[[], float | None], record: dict[str, Any] |
 
 def _started(job_dir: Path, overrides: list[str], num: int, previous: dict[str, Any] | None) -> dict[str, Any]:
     earlier = previous or {}
+    slurm_job, slurm_restart = slurm_attempt()
     wall = float(earlier.get("wall_s", 0.0))
     if status_of(previous) == INTERRUPTED:  # killed: it never wrote its end, but its metrics say when it last worked
         wall = _wall_until_last_write(job_dir, earlier)
@@ -189,8 +190,8 @@ def _started(job_dir: Path, overrides: list[str], num: int, previous: dict[str, 
         "wall_s": wall,
         "host": socket.gethostname(),
         "pid": os.getpid(),
-        "slurm_job": slurm_attempt()[0],
-        "slurm_restart": slurm_attempt()[1],
+        "slurm_job": slurm_job,
+        "slurm_restart": slurm_restart,
     }
 
 
