@@ -79,6 +79,11 @@ class Backend(str, Enum):
     gloo = "gloo"
 
 
+class StartMethod(str, Enum):
+    spawn = "spawn"  # each rank a fresh interpreter that imports torch, transformers and peft itself
+    forkserver = "forkserver"  # one server process imports them once; each rank (and restart) is a fork of it
+
+
 class CommHook(str, Enum):
     none = "none"
     fp16_compress = "fp16_compress"
@@ -252,6 +257,9 @@ class ParallelConfig:
     powersgd_rank: int = 1
     max_restarts: int = 0
     """Self-launch only: restart the worker group this many times after a failure."""
+    start_method: StartMethod = StartMethod.spawn
+    """Self-launch only: how the workers start. ``forkserver`` imports the libraries once in a server process and
+    forks each rank from it: seconds sooner when the ranks share few cores, and restarts start at once."""
 
 
 @dataclass

@@ -106,6 +106,10 @@ def compose_config(overrides: list[str], config_name: str = "train", config_dir:
     on trainer.device=cpu unless ``overrides`` set trainer.device."""
     register_configs()
     overrides = pin_device(overrides)
+    if not any(o.startswith("parallel.start_method=") for o in overrides):
+        # Tests that launch in this process fork their ranks from one forkserver that imported the libraries once
+        # for the whole session (about 5 s sooner per launch on 2 cores). The command-line tests keep the default.
+        overrides = [*overrides, "parallel.start_method=forkserver"]
     primary_dir = CONF_DIR
     if config_dir is not None:  # like --config-dir: the recipe is primary, conf/ stays on the search path
         primary_dir = str(config_dir)

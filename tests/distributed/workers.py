@@ -188,3 +188,34 @@ def fail_with_a_thread_that_never_ends(cfg: RunConfig, run_dir: str, store_port:
     parallel.FAILED_EXIT_GRACE_S = 3.0
     threading.Thread(target=threading.Event().wait, name="never-ends", daemon=False).start()
     launch.worker(cfg, run_dir, store_port)
+
+
+def report_how_this_rank_started(cfg: RunConfig, run_dir: str, store_port: int | None) -> dict:
+    """What a rank inherited: its parent's command line, an environment variable the test sets, its cores and
+    threads; it also prints a line to standard output and one to standard error."""
+    import os
+    import signal
+    import sys
+
+    rank = int(os.environ["RANK"])
+    print(f"rank {rank} says hello on stdout", flush=True)
+    print(f"rank {rank} says hello on stderr", file=sys.stderr, flush=True)
+    parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return {
+        "parent": parent,
+        "parent_pid": os.getppid(),
+        "value": os.environ.get("DDPTRAIN_TEST_VALUE"),
+        "removed": os.environ.get("DDPTRAIN_TEST_REMOVED"),
+        "rank": rank,
+        "cores": sorted(os.sched_getaffinity(0)),
+        "threads": torch.get_num_threads(),
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    }
+
+
+def compute_on_cuda(cfg: RunConfig, run_dir: str, store_port: int | None) -> dict:
+    """A forked rank's first CUDA work (the server that forked it must not have initialised CUDA)."""
+    import os
+
+    total = torch.arange(4.0, device="cuda").sum().item()
+    return {"parent": Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace"), "sum": total}

@@ -53,6 +53,12 @@ def test_the_leftover_check_sees_a_process_marked_only_in_its_environment() -> N
     marker = f"refusal-{uuid.uuid4().hex}"
     sleeper = subprocess.Popen(["sleep", "60"], env={**os.environ, RUN_TAG: f"python -m ddptrain {marker}"})
     try:
+        # Popen returns once exec has begun, which can be before the kernel sets up the new environment:
+        # /proc/PID/environ may read empty for a moment.
+        environ = Path(f"/proc/{sleeper.pid}/environ")
+        deadline = time.monotonic() + 10
+        while marker.encode() not in environ.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert [p.split(":", 1)[0] for p in processes_left_behind(marker, grace_s=0.5)] == [str(sleeper.pid)]
         assert sleeper.wait(timeout=10) == -signal.SIGKILL
     finally:

@@ -165,6 +165,9 @@ CASES = {
     # the launcher and its workers (which therefore also get it directly, as a scheduler signalling the workers
     # alone would: torchrun-SIGTERM-to-workers below is that case).
     "self-launch-SIGUSR2-to-every-process": ("self", to_process_group, signal.SIGUSR2, STOPPED_EXIT_CODE),
+    # The forkserver is in that group too: it must outlive the signal, for the workers' exit codes reach the
+    # launcher through it.
+    "forkserver-SIGUSR2-to-every-process": ("forkserver", to_process_group, signal.SIGUSR2, STOPPED_EXIT_CODE),
     "self-launch-Ctrl-C": ("self", to_process_group, signal.SIGINT, STOPPED_EXIT_CODE),
     "torchrun-SIGTERM-to-workers": ("torchrun", to_workers, signal.SIGTERM, 0),
     # torchrun puts each worker in its own session: a terminal's Ctrl-C reaches torchrun alone, which
@@ -186,6 +189,8 @@ def test_signal_saves_a_checkpoint_stops_within_seconds_and_resumes_bit_identica
     launcher, send, sig, expected_exit = CASES[case]
     out = tmp_path / "run"
     command = [*(TORCHRUN if launcher == "torchrun" else [sys.executable]), "-m", "ddptrain", *ARGS]
+    if launcher == "forkserver":
+        command.append("parallel.start_method=forkserver")
     run = SignalledRun([*command, f"trainer.output_dir={out}"], out, tmp_path / "output.log")
     try:
         run.wait_for_step(SIGNAL_AFTER_STEP)
@@ -281,6 +286,8 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, launcher) -> None:
     one comes."""
     out = tmp_path / "run"
     command = [*(TORCHRUN if launcher == "torchrun" else [sys.executable]), "-m", "ddptrain", *ARGS]
+    if launcher == "forkserver":
+        command.append("parallel.start_method=forkserver")
     slow_steps = ["data.micro_batch_size=1", "optim.grad_accum_steps=600"]
     run = SignalledRun([*command, *slow_steps, f"trainer.output_dir={out}"], out, tmp_path / "log")
     try:

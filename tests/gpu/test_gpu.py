@@ -153,3 +153,15 @@ def test_cuda_timing_adds_up_and_reports_mfu(train: Train) -> None:
         assert record["tflops"] > 0
     if records[-1]["peak_tflops"] is not None:
         assert 0 < records[-1]["mfu"] < 1
+
+
+def test_ranks_forked_from_the_forkserver_can_use_cuda(tmp_path) -> None:
+    """parallel.start_method=forkserver: the server imported torch, transformers and peft; a rank it forks must still
+    be able to initialise CUDA (it cannot once the parent had)."""
+    from ddptrain.launch import launch
+    from tests.conftest import compose_config
+    from tests.distributed.workers import compute_on_cuda
+
+    cfg = compose_config(["parallel=ddp2", "parallel.start_method=forkserver", "trainer.device=cuda"])
+    result = launch(cfg, tmp_path, entrypoint=compute_on_cuda)
+    assert "forkserver" in result["parent"] and result["sum"] == 6.0, result
