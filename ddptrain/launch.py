@@ -27,11 +27,9 @@ import gc
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -39,7 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddptrain import hangs, signals
+from ddptrain import forkserver, hangs, signals
 from ddptrain.config import (
     ConfigError,
     RunConfig,
@@ -388,11 +386,11 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
         **_leave_stop_signals_to_us(LaunchConfig),
     )
     target, args = entrypoint or worker, (cfg, str(run_dir), port)
-    if cfg.parallel.start_method == StartMethod.forkserver:
-        _start_forkserver()
-        target, args = _forked_worker, (LauncherEnvironment(), target, *args)
     log.info("starting %d workers (store on 127.0.0.1:%d), run directory %s", nproc, port, run_dir)
     try:
+        if cfg.parallel.start_method == StartMethod.forkserver:
+            forkserver.start()
+            target, args = forkserver.run_forked, (forkserver.LauncherState(), target, *args)
         with signals.forward_to_workers() as stop:
             try:
                 results = elastic_launch(config, target)(*args)
@@ -405,95 +403,6 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
         shutil.rmtree(rdzv_dir, ignore_errors=True)
         sock.close()
     return results[0]
-
-
-# What a rank imports before it trains (the default models are Qwen2): the forkserver imports it once.
-FORKSERVER_PRELOAD = ["ddptrain.launch", "ddptrain.trainer", "peft", "transformers.models.qwen2.modeling_qwen2"]
-# The server must outlive these: its workers' exit codes reach the launcher through it (a dead server reads as 255).
-_FORKSERVER_DEAF_TO = (signal.SIGINT, signal.SIGTERM, signals.PREEMPT_SIGNAL)
-NVML_CHECK_ENV = "PYTORCH_NVML_BASED_CUDA_CHECK"
-
-
-def _start_forkserver() -> None:
-    """Start multiprocessing's forkserver (once per process) with the libraries preloaded.
-
-    It is deaf to the stop signals: Slurm signals every process of the job, a terminal's Ctrl-C its whole process
-    group, and the launcher forwards them to the workers itself. It ends when the launcher does.
-    """
-    import multiprocessing
-    from multiprocessing import forkserver
-
-    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()
-        return
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _FORKSERVER_DEAF_TO}
-    # Should an import ask torch.cuda.is_available(), NVML answers: the CUDA driver initialised in the server
-    # could not be used by the ranks it forks.
-    nvml_check = os.environ.get(NVML_CHECK_ENV)
-    os.environ[NVML_CHECK_ENV] = "1"
-    try:
-        forkserver.ensure_running()  # started by fork and exec: the ignored dispositions carry over
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if nvml_check is None:
-            os.environ.pop(NVML_CHECK_ENV)
-        else:
-            os.environ[NVML_CHECK_ENV] = nvml_check
-
-
-class LauncherEnvironment:
-    """What a spawned worker inherits from the launcher when it starts, for a worker forked from the forkserver.
-
-    A forked worker would have the server's: its environment, standard output and error, and cores, from when the
-    server started (this process's first launch; under pytest another test's captured output). Elastic pickles a
-    worker's arguments at each start, restarts included, so this is read then; the worker unpickles it before
-    elastic sets the rank's own variables on top, as with spawn.
-    """
-
-    def __reduce__(self) -> tuple[Callable[..., None], tuple[Any, ...]]:
-        from multiprocessing.reduction import DupFd
-
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        outputs = [DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
-        return _adopt_launcher_environment, (dict(os.environ), *outputs, cores)
-
-
-def _is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
-
-
-def _adopt_launcher_environment(environ: dict[str, str], stdout: Any, stderr: Any, cores: list[int] | None) -> None:
-    """In a forked worker: take the launcher's environment, output and cores, and a new process's signal handling."""
-    import torch
-
-    os.environ.clear()
-    os.environ.update(environ)
-    for passed, fd in ((stdout, 1), (stderr, 2)):
-        if passed is None:  # closed in the launcher: a spawned worker would have none either
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            continue
-        received = passed.detach()
-        os.dup2(received, fd)
-        os.close(received)
-    if cores is not None:
-        os.sched_setaffinity(0, cores)
-    for signum in _FORKSERVER_DEAF_TO:
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
-    threads = environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit():  # OpenMP read the variable when the server imported torch
-        torch.set_num_threads(int(threads))
-
-
-def _forked_worker(_environment: None, target: Callable[..., Any], *args: Any) -> Any:
-    """``target(*args)`` in a worker forked from the forkserver (its environment already adopted on unpickling)."""
-    return target(*args)
 
 
 def _leave_stop_signals_to_us(launch_config: type) -> dict[str, str]:

@@ -228,7 +228,7 @@ def forward_to_workers() -> Iterator[StopRequest]:
     """In the self-launcher: pass SIGTERM / a first Ctrl-C on to the workers; a second Ctrl-C ends them.
 
     The workers are this process's multiprocessing children (elastic's agent starts them with
-    ``spawn``). Elastic must be told to leave SIGTERM and SIGINT alone
+    ``spawn``, or through the forkserver). Elastic must be told to leave SIGTERM and SIGINT alone
     (``LaunchConfig.signals_to_handle``), or it replaces these handlers. On a second Ctrl-C the
     workers get ABORT_SIGNAL and exit; those still running after ABORT_GRACE_S are killed.
 
@@ -242,7 +242,7 @@ def forward_to_workers() -> Iterator[StopRequest]:
 
     def handle(signum: int, frame: Any) -> None:
         what = stop.note(signum)
-        workers = multiprocessing.active_children()
+        workers = _started_children()
         if what == "stop":
             os.environ[STOP_ENV] = signal.Signals(signum).name
             for worker in workers:
@@ -266,6 +266,16 @@ def forward_to_workers() -> Iterator[StopRequest]:
     finally:
         _restore(previous, stop)
         os.environ.pop(STOP_ENV, None)
+
+
+def _started_children() -> list[Any]:
+    """This process's multiprocessing children, without polling them as ``active_children()`` does.
+
+    A forkserver child's exit code comes through a pipe: a poll from a signal handler can take the code that the main
+    thread, interrupted between its wait and its read, was about to read, and the main thread then records 255.
+    """
+    children = getattr(multiprocessing.process, "_children", None)
+    return list(children) if children is not None else multiprocessing.active_children()
 
 
 def start_resource_tracker_deaf_to_preemption() -> None:

@@ -101,10 +101,20 @@ def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path,
 
 
 def _worker_pids(launcher_pid: int) -> list[int]:
-    """The training processes the launcher started (not multiprocessing's resource tracker)."""
-    children = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True).stdout.split()
-    cmdlines = {int(p): Path(f"/proc/{p}/cmdline").read_text(errors="ignore") for p in children}
-    return [p for p, cmd in cmdlines.items() if "spawn_main" in cmd or "ddptrain" in cmd]
+    """The training processes the launcher started (not multiprocessing's resource tracker): its spawned children,
+    or the children of its forkserver."""
+    workers = []
+    for pid, cmd in _children(launcher_pid).items():
+        if "forkserver" in cmd:
+            workers += _children(pid)
+        elif "spawn_main" in cmd or "ddptrain" in cmd:
+            workers.append(pid)
+    return workers
+
+
+def _children(pid: int) -> dict[int, str]:
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return {int(p): Path(f"/proc/{p}/cmdline").read_text(errors="ignore") for p in children}
 
 
 def signal_workers_mid_run(command: list[str], output_dir: Path, signum: int, after_step: int) -> tuple[bool, int, str]:
@@ -162,7 +172,7 @@ def uninterrupted_restart_run(tmp_path_factory) -> Path:
     return ref
 
 
-@pytest.mark.parametrize("launcher", ["self-launch", "torchrun"])
+@pytest.mark.parametrize("launcher", ["self-launch", "self-launch-forkserver", "torchrun"])
 def test_killed_worker_restarts_and_ends_with_the_same_parameters(
     tmp_path, launcher, uninterrupted_restart_run
 ) -> None:
@@ -176,6 +186,7 @@ def test_killed_worker_restarts_and_ends_with_the_same_parameters(
             "ddptrain",
             *args,
             "parallel.max_restarts=1",
+            f"parallel.start_method={'forkserver' if launcher.endswith('forkserver') else 'spawn'}",
             f"trainer.output_dir={tmp_path}/run",
         ]
     killed, returncode, output = signal_workers_mid_run(command, tmp_path / "run", signal.SIGKILL, after_step=12)

@@ -119,8 +119,10 @@ def test_a_single_node_job_listens_on_loopback_only(tmp_path) -> None:
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    cfg = compose_config(["parallel=ddp2", "parallel.timeout_s=60", f"trainer.output_dir={tmp_path}"])
-    launch(cfg, run_dir, entrypoint=report_listening_sockets)
+    # Spawned: the worker's parent is then the launcher, whose store socket the check covers too.
+    overrides = ["parallel=ddp2", "parallel.start_method=spawn", "parallel.timeout_s=60"]
+    overrides.append(f"trainer.output_dir={tmp_path}")
+    launch(compose_config(overrides), run_dir, entrypoint=report_listening_sockets)
     for rank in (0, 1):
         addresses = json.loads((run_dir / f"listening-rank{rank}.json").read_text())
         assert addresses, "the launcher's store and gloo listen somewhere"

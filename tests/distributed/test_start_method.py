@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from ddptrain import forkserver
 from ddptrain.launch import launch
-from tests.conftest import compose_config
+from tests.conftest import REPO, compose_config
 from tests.distributed.workers import report_how_this_rank_started
 
 pytestmark = pytest.mark.dist
@@ -37,6 +42,7 @@ def test_a_forked_rank_starts_with_the_launchers_environment_output_cores_and_th
     tmp_path, monkeypatch, capfd
 ) -> None:
     cfg = compose_config(["parallel=ddp2", "parallel.start_method=forkserver", f"trainer.output_dir={tmp_path}"])
+    forkserver.stop()  # the first launch below starts the server
     monkeypatch.setenv("DDPTRAIN_TEST_REMOVED", "set before the first launch")
     with output_to_devnull():  # what a server started now inherits: the second launch's ranks must not write there
         first = launch(cfg, tmp_path, entrypoint=report_how_this_rank_started)  # the server runs from here on
@@ -58,7 +64,52 @@ def test_a_forked_rank_starts_with_the_launchers_environment_output_cores_and_th
     assert second["value"] == value and second["removed"] is None, "the environment of the launch, not the server's"
     assert second["cores"] == cores[:1]
     assert second["threads"] == 3, "OMP_NUM_THREADS of the launch"
-    assert second["sigterm_default"], "the server ignores SIGTERM; a rank must not"
+    assert second["signals_as_spawned"], "the server blocks the stop signals; a rank handles them as any process"
     for rank in (0, 1):
         assert f"rank {rank} says hello on stdout" in out, out[-2000:]
         assert f"rank {rank} says hello on stderr" in err, err[-2000:]
+
+
+def test_a_changed_import_time_variable_gets_a_new_server(tmp_path, monkeypatch) -> None:
+    """A library may read HF_* (and the like) while it is imported, which the server did: a change starts a new one."""
+    cfg = compose_config(["parallel=ddp2", "parallel.start_method=forkserver", f"trainer.output_dir={tmp_path}"])
+    first = launch(cfg, tmp_path, entrypoint=report_how_this_rank_started)
+    again = launch(cfg, tmp_path, entrypoint=report_how_this_rank_started)
+    monkeypatch.setenv("HF_DDPTRAIN_TEST", uuid.uuid4().hex)
+    changed = launch(cfg, tmp_path, entrypoint=report_how_this_rank_started)
+    assert again["parent_pid"] == first["parent_pid"] != changed["parent_pid"]
+
+
+LAUNCH_AND_WAIT = """
+import sys
+from pathlib import Path
+from ddptrain.launch import launch
+from tests.conftest import REPO, compose_config
+from tests.distributed.workers import wait_to_be_interrupted
+run_dir = Path(sys.argv[1])
+cfg = compose_config(["parallel=ddp2", "parallel.start_method=forkserver", f"trainer.output_dir={run_dir}"])
+launch(cfg, run_dir, entrypoint=wait_to_be_interrupted)
+"""
+
+
+def test_forked_ranks_are_interrupted_when_the_launcher_is_killed(tmp_path) -> None:
+    """A spawned rank gets SIGINT when its launcher dies (torch asks the kernel); a forked one's parent is the server,
+    which outlives the launcher: the ranks must still get their SIGINT, not train on alone."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCH_AND_WAIT, str(tmp_path)], cwd=REPO)
+    pids = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(p.exists() for p in pids) and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.1)
+        assert all(p.exists() for p in pids), "the ranks did not start"
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while not all((tmp_path / f"rank{r}.interrupted").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [(tmp_path / f"rank{r}.interrupted").exists() for r in (0, 1)] == [True, True]
+    finally:
+        launcher.kill()
+        for pid_file in pids:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)

@@ -209,7 +209,10 @@ def report_how_this_rank_started(cfg: RunConfig, run_dir: str, store_port: int |
         "rank": rank,
         "cores": sorted(os.sched_getaffinity(0)),
         "threads": torch.get_num_threads(),
-        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "signals_as_spawned": signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        and signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+        and not signal.pthread_sigmask(signal.SIG_BLOCK, []),
     }
 
 
@@ -219,3 +222,16 @@ def compute_on_cuda(cfg: RunConfig, run_dir: str, store_port: int | None) -> dic
 
     total = torch.arange(4.0, device="cuda").sum().item()
     return {"parent": Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace"), "sum": total}
+
+
+def wait_to_be_interrupted(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """Leave ``rank<N>.pid`` in the run folder, then wait; on Ctrl-C (SIGINT) leave ``rank<N>.interrupted``."""
+    import os
+    import time
+
+    rank = int(os.environ["RANK"])
+    (Path(run_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))
+    try:
+        time.sleep(120)
+    except KeyboardInterrupt:
+        (Path(run_dir) / f"rank{rank}.interrupted").write_text("")

@@ -286,8 +286,6 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path, launcher) -> None:
     one comes."""
     out = tmp_path / "run"
     command = [*(TORCHRUN if launcher == "torchrun" else [sys.executable]), "-m", "ddptrain", *ARGS]
-    if launcher == "forkserver":
-        command.append("parallel.start_method=forkserver")
     slow_steps = ["data.micro_batch_size=1", "optim.grad_accum_steps=600"]
     run = SignalledRun([*command, *slow_steps, f"trainer.output_dir={out}"], out, tmp_path / "log")
     try:

@@ -333,3 +333,12 @@ def test_diagnostics_keys_are_checked_before_any_worker_starts(override: str, me
 def test_profile_ranks_must_be_global_ranks() -> None:
     with pytest.raises(ConfigError, match=r"trainer.profile_ranks=\[-1\]"):
         compose_config(["trainer.profile_steps=[1,2]", "trainer.profile_ranks=[-1]"])
+
+
+def test_workers_are_spawned_unless_asked_otherwise() -> None:
+    """The tests' own launches fork from a forkserver (tests/conftest.py); a user's run spawns its ranks."""
+    from ddptrain.config import ParallelConfig, StartMethod
+
+    assert ParallelConfig().start_method is StartMethod.spawn
+    for preset in ("ddp2", "ddp4", "ddp8"):
+        assert "start_method: spawn " in (Path(CONF_DIR) / "parallel" / f"{preset}.yaml").read_text()
