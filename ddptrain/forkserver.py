@@ -13,13 +13,16 @@ would take from it, and what is done about each:
 - OpenMP's thread count, read when the server imported torch: set from ``OMP_NUM_THREADS``;
 - signals: the server must outlive a signal sent to the whole process group (a terminal's Ctrl-C, Slurm's
   SIGUSR2), for its ranks' exit codes reach the launcher through it. It runs with the stop signals blocked; a rank
-  inherits the mask, so a signal sent before the rank is ready stays pending and arrives once it is;
+  inherits the mask and unblocks it once its handling is as in a new process, so a signal sent earlier is
+  delivered then (as in a spawned rank that has not installed ddptrain's handlers yet: SIGTERM ends it, SIGINT
+  raises KeyboardInterrupt);
 - the launcher's death: a spawned rank gets SIGINT when its parent dies (torch asks the kernel for it); a forked
   rank's parent is the server, which lives as long as its ranks, so a thread watches the launcher instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -27,6 +30,7 @@ import signal
 import threading
 from collections.abc import Callable
 from multiprocessing import forkserver as mp_forkserver
+from multiprocessing import resource_tracker
 from typing import Any
 
 from ddptrain import signals
@@ -46,18 +50,25 @@ IMPORT_TIME_PREFIXES = (
 )
 
 _server: tuple[int, dict[str, str]] | None = None  # (pid, import-time variables) of the server this process started
+_let_go: list[int] = []  # servers stop() let go of, reaped once they have ended
 
 
 def start() -> None:
     """Make sure a server runs with the libraries preloaded and this environment's import-time variables."""
     global _server
     server = mp_forkserver._forkserver  # multiprocessing's one server per process (no public handle)
+    _reap_let_go()
     wanted = import_time_variables(os.environ)
-    if _server is not None and _server[1] != wanted:
+    if _server is None and server._forkserver_pid is not None:
+        stop()  # started elsewhere: without the preload and the blocked signals
+    elif _server is not None and _server[1] != wanted:
         changed = sorted(k for k in {*wanted, *_server[1]} if wanted.get(k) != _server[1].get(k))
         log.info("forkserver: %s changed since the server started: starting a new one", ", ".join(changed))
         stop()
     multiprocessing.set_forkserver_preload(PRELOAD)
+    # The server's start would start the resource tracker too, and that unblocks SIGINT and SIGTERM when done.
+    signals.start_resource_tracker_deaf_to_preemption()
+    resource_tracker.ensure_running()  # off the main thread the line above does nothing
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, BLOCKED)  # a mask survives fork and exec
     nvml_check = os.environ.get(NVML_CHECK_ENV)
     os.environ[NVML_CHECK_ENV] = "1"
@@ -74,12 +85,29 @@ def start() -> None:
 
 
 def stop() -> None:
-    """End this process's server (the next ``start`` starts a new one); does nothing when none runs."""
+    """Let this process's server go: the next ``start`` starts a new one. The old one ends once every process it
+    forked has (each holds its pipe); nothing waits for that here, as a rank of an earlier launch may linger."""
     global _server
     _server = None
     server = mp_forkserver._forkserver
-    if server._forkserver_pid is not None:
-        server._stop()
+    with server._lock:
+        if server._forkserver_pid is None:
+            return
+        os.close(server._forkserver_alive_fd)  # the server's signal to end
+        _let_go.append(server._forkserver_pid)
+        address = server._forkserver_address
+        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
+    if isinstance(address, str) and not address.startswith("\0"):
+        with contextlib.suppress(OSError):
+            os.unlink(address)
+
+
+def _reap_let_go() -> None:
+    for pid in list(_let_go):
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                continue  # still running
+        _let_go.remove(pid)
 
 
 def import_time_variables(environ: os._Environ[str] | dict[str, str]) -> dict[str, str]:

@@ -214,6 +214,9 @@ def test_only_rank_zero_writes_in_the_run_directory(tmp_path, rank1_writes) -> N
     cfg = compose_config(
         [
             "parallel=ddp2",
+            # Spawned: unshare() needs a single-threaded process, and a forked rank runs a thread that watches
+            # its launcher (ddptrain/forkserver.py).
+            "parallel.start_method=spawn",
             *COMMON,
             "trainer.max_steps=4",
             "trainer.save_every_n_steps=2",

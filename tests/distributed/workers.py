@@ -225,11 +225,13 @@ def compute_on_cuda(cfg: RunConfig, run_dir: str, store_port: int | None) -> dic
 
 
 def wait_to_be_interrupted(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
-    """Leave ``rank<N>.pid`` in the run folder, then wait; on Ctrl-C (SIGINT) leave ``rank<N>.interrupted``."""
+    """Leave ``rank<N>.pid`` and ``rank<N>.parent`` (its parent's command line) in the run folder, then wait; on
+    Ctrl-C (SIGINT) leave ``rank<N>.interrupted``."""
     import os
     import time
 
     rank = int(os.environ["RANK"])
+    (Path(run_dir) / f"rank{rank}.parent").write_bytes(Path(f"/proc/{os.getppid()}/cmdline").read_bytes())
     (Path(run_dir) / f"rank{rank}.pid").write_text(str(os.getpid()))
     try:
         time.sleep(120)
