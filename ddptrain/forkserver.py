@@ -28,7 +28,7 @@ import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing import forkserver as mp_forkserver
 from multiprocessing import resource_tracker
 from typing import Any
@@ -110,7 +110,7 @@ def _reap_let_go() -> None:
         _let_go.remove(pid)
 
 
-def import_time_variables(environ: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+def import_time_variables(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith(IMPORT_TIME_PREFIXES) and k != "OMP_NUM_THREADS"}
 
 
