@@ -457,7 +457,11 @@ def worker(cfg: RunConfig, run_dir: str, store_port: int | None, start: Start | 
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_train_on_this_rank)(cfg, run_dir, store_port, start)
+    from ddptrain import parallel
+
+    result = record(_train_on_this_rank)(cfg, run_dir, store_port, start)
+    parallel.release_left_groups()  # the trainer, and the DDP model that held the group, went with the call's frame
+    return result
 
 
 def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, start: Start | None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ collectives work in a single-process run and cost nothing there.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import inspect
@@ -214,7 +215,8 @@ def teardown() -> None:
     one that tears its connections down while another still works can leave that one hanging
     inside ``destroy_process_group`` (seen once in CI on gloo). Called while an exception
     propagates (from a ``finally``), there is no barrier: the other ranks may be gone, and leaving the
-    group may not hang either (``exit_soon`` watches it).
+    group may not hang either (``exit_soon`` watches it). The group object itself stays alive until
+    ``release_left_groups`` (see ``_left_groups``).
     """
     if not dist.is_initialized():
         return
@@ -223,8 +225,26 @@ def teardown() -> None:
         dist.barrier()
     elif several:
         exit_soon()
+    _left_groups.append(dist.group.WORLD)
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
+
+
+# The process groups ``teardown`` left, kept until ``release_left_groups``. DDP's Reducer holds its group from C++,
+# and dropped there (the model freed with the GIL held) a gloo group joins its worker threads still holding the GIL,
+# while one of them may be waiting for it to free the tensors of a finished collective: the process hangs. Seen in
+# the tests (a finished run whose rank 1 never exited, 2 of 9 tries of one test). Dropped from Python, a group is
+# destroyed with the GIL released, so the last reference must be this list's.
+_left_groups: list[dist.ProcessGroup] = []
+
+
+def release_left_groups() -> None:
+    """Destroy the process groups ``teardown`` left: call it once the model that used them is gone (``launch.worker``
+    does, after the run; ``atexit`` does for any other way out). Safe to call twice."""
+    _left_groups.clear()
+
+
+atexit.register(release_left_groups)
 
 
 def exit_soon() -> None:

@@ -17,6 +17,7 @@ from ddptrain.launch import launch
 from tests.conftest import compose_config, read_metrics
 from tests.distributed.workers import train_fixed_layout, train_with_unused_parameter
 from tests.distributed.workers_comm import train_recording_gradient_allreduces
+from tests.distributed.workers_teardown import free_the_model_while_gloo_needs_the_gil
 
 pytestmark = pytest.mark.dist
 
@@ -280,3 +281,15 @@ def test_buffers_are_not_broadcast_before_each_step(tmp_path) -> None:
     launch(cfg, run_dir, entrypoint=record_buffer_broadcasts)
     for rank in (0, 1):
         assert json.loads((run_dir / f"broadcasts{rank}.json").read_text()) == expected
+
+
+@pytest.mark.timeout(120)  # the bug it guards is a rank that never exits
+def test_freeing_the_ddp_model_after_teardown_never_waits_on_gloo_with_the_gil_held(tmp_path) -> None:
+    """A finished run's rank could hang for good in DDP's Reducer freeing the process group (gloo joined its
+    threads with the GIL held while one of them waited for the GIL): ``teardown`` keeps the group, and
+    ``release_left_groups`` drops it from Python, which frees it with the GIL released."""
+    cfg = compose_config(["parallel=ddp2", "trainer.device=cpu", f"trainer.output_dir={tmp_path}"])
+    started = time.monotonic()
+    launch(cfg, tmp_path, entrypoint=free_the_model_while_gloo_needs_the_gil)
+    assert time.monotonic() - started < 60
+    assert [(tmp_path / f"left-rank{r}.txt").read_text() for r in (0, 1)] == ["callback ran: True\n"] * 2
