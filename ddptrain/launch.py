@@ -31,7 +31,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -213,11 +213,31 @@ def _torchrun_round(
     timeout = timedelta(seconds=cfg.parallel.timeout_s)
     found = parallel.torchrun_round(start.rank, start.world_size, hydra_dir, timeout)
     if found is None:
+        _refuse_restarts_across_nodes_without_a_shared_store(start, os.environ)
         return start, _torchrun_run_dir(hydra_dir, Path(cfg.trainer.output_dir), start, console)
     round_, run_dir = found
     if run_dir != hydra_dir and start.makes_run_folder:
         _remove_unused_hydra_folder(hydra_dir)
     return replace(start, restart_count=round_), run_dir
+
+
+def _refuse_restarts_across_nodes_without_a_shared_store(start: Start, environ: Mapping[str, str]) -> None:
+    """With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the agents keep no store across restarts, and the only count of
+    restarts a worker gets is its own node's (an agent whose workers were healthy restarts them without counting):
+    after a restart the nodes' ranks would look for each other under different attempts and for different run
+    folders, and time out. On one node all ranks share their agent's count, so that still works.
+
+    Raises:
+        SystemExit: several nodes, restarts allowed, and no shared store; naming both fixes.
+    """
+    several_nodes = start.world_size > start.local_world_size
+    if several_nodes and int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        sys.exit(
+            "ddptrain: torchrun --max-restarts across several nodes needs the agents' shared store "
+            "(TORCHELASTIC_USE_AGENT_STORE=True, the default of the c10d and static rendezvous), which this job lacks "
+            "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a rendezvous backend that keeps none): unset it, or run with "
+            "--max-restarts 0 and restart the job yourself with trainer.resume=<run folder>."
+        )
 
 
 def _meet_at(start: Start) -> None:
@@ -367,9 +387,12 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
         wait_for_workers=False,
         timeout=timedelta(seconds=cfg.parallel.timeout_s),
     )
-    os.environ.update(_worker_environment(nproc))
-    # For the workers only (removed again below): this launcher decides when a Ctrl-C aborts.
-    os.environ[signals.SELF_LAUNCHED_ENV] = "1"
+    # For the workers only, removed again below: this process may go on to launch other jobs (a sweep in one
+    # process, a test session), and torchrun started from it must not inherit TORCH_DISABLE_SHARE_RDZV_TCP_STORE.
+    added = {**_worker_environment(nproc), signals.SELF_LAUNCHED_ENV: "1"}  # the last: Ctrl-C is this launcher's
+    # elastic_launch itself leaves its signals there (a later torchrun would then leave SIGTERM and SIGINT alone).
+    restored = {name: os.environ.get(name) for name in (*added, _ELASTIC_SIGNALS_ENV)}
+    os.environ.update(added)
     rdzv_dir = Path(tempfile.mkdtemp(prefix="ddptrain-rdzv-"))
     config = LaunchConfig(
         min_nodes=1,
@@ -399,10 +422,17 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
                     return {signals.STOPPED_BY: stop.signal.name, signals.STOPPED_AT_STEP: None}
                 raise RuntimeError(_failure_summary(exc, run_dir / hangs.HANG_DIR, nproc)) from None
     finally:
-        os.environ.pop(signals.SELF_LAUNCHED_ENV, None)
+        for name, value in restored.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         shutil.rmtree(rdzv_dir, ignore_errors=True)
         sock.close()
     return results[0]
+
+
+_ELASTIC_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 
 
 def _leave_stop_signals_to_us(launch_config: type) -> dict[str, str]:

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -225,7 +226,9 @@ def teardown() -> None:
         dist.barrier()
     elif several:
         exit_soon()
-    _left_groups.append(dist.group.WORLD)
+    if several:
+        _left_groups.append(dist.group.WORLD)
+        _drop_reducers()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
 
@@ -233,9 +236,19 @@ def teardown() -> None:
 # The process groups ``teardown`` left, kept until ``release_left_groups``. DDP's Reducer holds its group from C++,
 # and dropped there (the model freed with the GIL held) a gloo group joins its worker threads still holding the GIL,
 # while one of them may be waiting for it to free the tensors of a finished collective: the process hangs. Seen in
-# the tests (a finished run whose rank 1 never exited, 2 of 9 tries of one test). Dropped from Python, a group is
-# destroyed with the GIL released, so the last reference must be this list's.
+# the tests (a finished run whose rank 1 never exited, 2 of 54 tries of one test). Dropped from Python, a group is
+# destroyed with the GIL released, so the last reference must be this list's: ``teardown`` frees the Reducers while
+# the list holds the group, whenever the model itself goes (a traceback, a cache or a cycle may keep it).
 _left_groups: list[dist.ProcessGroup] = []
+_wrapped: weakref.WeakSet[DDP] = weakref.WeakSet()
+
+
+def _drop_reducers() -> None:
+    """Free the C++ objects through which each DDP model made here holds its group: its Reducer, and the Logger
+    that holds the Reducer (DDP's own attribute names). The model is of no use once the group is left."""
+    for ddp in list(_wrapped):
+        ddp.__dict__.pop("logger", None)
+        ddp.__dict__.pop("reducer", None)
 
 
 def release_left_groups() -> None:
@@ -317,6 +330,7 @@ def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: Com
         **_buffer_sync(cfg.broadcast_buffers),
         **_NO_INIT_SYNC,
     )
+    _wrapped.add(ddp)
     counter = counter or CommCounter()
     if cfg.comm_hook == CommHook.none and not counter.timed:
         # DDP's built-in all-reduce (in C++): no Python call per bucket when nothing is counted or timed.

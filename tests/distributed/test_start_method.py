@@ -92,6 +92,18 @@ def test_a_changed_import_time_variable_gets_a_new_server(tmp_path, monkeypatch)
     assert again["parent_pid"] == first["parent_pid"] != changed["parent_pid"]
 
 
+def test_a_launch_leaves_the_launchers_environment_as_it_found_it(tmp_path, monkeypatch) -> None:
+    """The workers' variables (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, loopback sockets, ...) are theirs only: they
+    once stayed in the launching process, and a torchrun started from it later (in CI, the test session) lost
+    torchrun's shared store, so its two-node restart timed out."""
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    cfg = compose_config(["parallel=ddp2", f"trainer.output_dir={tmp_path}"])
+    launch(cfg, tmp_path, entrypoint=report_how_this_rank_started)
+    assert dict(os.environ) == before
+
+
 LAUNCH_AND_WAIT = """
 import sys
 from pathlib import Path

@@ -286,10 +286,13 @@ def test_buffers_are_not_broadcast_before_each_step(tmp_path) -> None:
 @pytest.mark.timeout(120)  # the bug it guards is a rank that never exits
 def test_freeing_the_ddp_model_after_teardown_never_waits_on_gloo_with_the_gil_held(tmp_path) -> None:
     """A finished run's rank could hang for good in DDP's Reducer freeing the process group (gloo joined its
-    threads with the GIL held while one of them waited for the GIL): ``teardown`` keeps the group, and
-    ``release_left_groups`` drops it from Python, which frees it with the GIL released."""
-    cfg = compose_config(["parallel=ddp2", "trainer.device=cpu", f"trainer.output_dir={tmp_path}"])
+    threads with the GIL held while one of them waited for the GIL): ``teardown`` keeps the group and frees the
+    Reducers, and ``release_left_groups`` drops the group from Python, which frees it with the GIL released."""
+    cfg = compose_config(
+        ["parallel=ddp2", "parallel.timeout_s=60", "trainer.device=cpu", f"trainer.output_dir={tmp_path}"]
+    )
     started = time.monotonic()
     launch(cfg, tmp_path, entrypoint=free_the_model_while_gloo_needs_the_gil)
     assert time.monotonic() - started < 60
-    assert [(tmp_path / f"left-rank{r}.txt").read_text() for r in (0, 1)] == ["callback ran: True\n"] * 2
+    left = [(tmp_path / f"left-rank{r}.txt").read_text() for r in (0, 1)]
+    assert left == ["kept 1, model freed True, callback True\n"] * 2

@@ -97,3 +97,17 @@ def test_only_an_unused_hydra_folder_is_removed_never_the_working_directory(tmp_
     assert not unused.exists()
     assert (used / "metrics.jsonl").is_file() and (used / ".hydra").is_dir()
     assert (cwd / ".hydra").is_dir(), "the working directory is never removed"
+
+
+def test_restarts_across_nodes_without_the_agents_store_are_refused_before_training() -> None:
+    """With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each node counts its own restarts, so after a restart the ranks of
+    two nodes would meet under different attempts and time out (seen in CI, where the variable had leaked into the
+    test session): such a job stops at start, naming the fixes. One node, or no restarts, still runs."""
+    two_nodes = Start(True, rank=1, local_rank=0, world_size=2, local_world_size=1)
+    one_node = Start(True, rank=1, local_rank=1, world_size=2, local_world_size=2)
+    with pytest.raises(SystemExit) as refused:
+        launch._refuse_restarts_across_nodes_without_a_shared_store(two_nodes, {"TORCHELASTIC_MAX_RESTARTS": "1"})
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(refused.value)
+    assert "--max-restarts 0" in str(refused.value)
+    launch._refuse_restarts_across_nodes_without_a_shared_store(two_nodes, {"TORCHELASTIC_MAX_RESTARTS": "0"})
+    launch._refuse_restarts_across_nodes_without_a_shared_store(one_node, {"TORCHELASTIC_MAX_RESTARTS": "3"})
