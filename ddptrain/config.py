@@ -326,7 +326,7 @@ class WandbLoggerConfig:
 @dataclass
 class MlflowLoggerConfig:
     tracking_uri: Optional[str] = None
-    """null = a local store inside the run folder (<run>/mlruns); or a server such as http://host:5000."""
+    """null = a SQLite store inside the run folder (<run>/mlflow.db); or a server such as http://host:5000."""
     experiment_name: str = "ddptrain"
     """The MLflow experiment the run is filed under (created when missing)."""
     run_name: Optional[str] = None

@@ -32,9 +32,13 @@ from ddptrain.config import LoggerConfig, MlflowLoggerConfig, TensorBoardLoggerC
 
 # What metrics.jsonl writes for non-finite floats (JSON has no NaN); see metrics._plain.
 NON_FINITE = {"nan", "inf", "-inf"}
-# Recent MLflow refuses its file store unless this is set; SQLite would need SQLAlchemy and Alembic on top
-# of mlflow-skinny. A store inside the run folder is read by the same MLflow versions that wrote it.
+# MLflow 3 refuses a file store unless this is set (and so does every reader of it): the default store is
+# SQLite, which it reads as is. Set only for a file store the user names in logger.mlflow.tracking_uri.
 MLFLOW_ALLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"
+MLFLOW_DB = "mlflow.db"
+"""The default MLflow store, ``<run>/mlflow.db``: ``mlflow ui --backend-store-uri sqlite:///<run>/mlflow.db``."""
+MLFLOW_ARTIFACTS = "mlartifacts"
+"""Where the default store's runs keep their artifacts (the report), beside it in the run folder."""
 # MLflow otherwise sends usage telemetry from a background thread: a training run makes no calls home.
 MLFLOW_DISABLE_TELEMETRY = "MLFLOW_DISABLE_TELEMETRY"
 WANDB_FINISH_TIMEOUT = "WANDB_FINISH_TIMEOUT"
@@ -248,19 +252,27 @@ class WandbLogger:
 
 
 class MlflowLogger:
-    """An MLflow run: metrics, the config as params, the report as artifacts; by default in a local
-    file store ``<run>/mlruns`` that needs no server (``mlflow ui --backend-store-uri <run>/mlruns``)."""
+    """An MLflow run: metrics, the config as params, the report as artifacts; by default in a SQLite store
+    ``<run>/mlflow.db`` that needs no server (``mlflow ui --backend-store-uri sqlite:///<run>/mlflow.db``)."""
 
     def __init__(self, cfg: MlflowLoggerConfig, run_dir: Path, config: dict[str, Any]):
-        uri = cfg.tracking_uri or (run_dir / "mlruns").resolve().as_uri()
-        if uri.startswith("file:") or "://" not in uri:
+        uri, artifacts = cfg.tracking_uri, None
+        if uri is None:
+            uri = f"sqlite:///{(run_dir / MLFLOW_DB).resolve()}"
+            # Otherwise MLflow puts the artifacts in ./mlruns of whatever folder the run started from.
+            artifacts = (run_dir / MLFLOW_ARTIFACTS).resolve().as_uri()
+        elif uri.startswith("file:") or "://" not in uri:
             os.environ.setdefault(MLFLOW_ALLOW_FILE_STORE, "true")
         os.environ.setdefault(MLFLOW_DISABLE_TELEMETRY, "true")  # before mlflow is imported
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=uri)
         experiment = self.client.get_experiment_by_name(cfg.experiment_name)
-        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment_name)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment
+            else self.client.create_experiment(cfg.experiment_name, artifact_location=artifacts)
+        )
         tags = {"ddptrain.run_dir": str(run_dir.resolve())}
         run = self.client.create_run(experiment_id, run_name=cfg.run_name or run_dir.name, tags=tags)
         self.run_id = run.info.run_id

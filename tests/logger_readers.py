@@ -71,9 +71,15 @@ def wandb_series(records: list[dict[str, Any]], key: str) -> list[tuple[int, flo
 # ----------------------------------------------------------------------------- MLflow
 
 
+def mlflow_default_store(run_dir: Path) -> str:
+    """The store ddptrain writes by default, as docs/loggers.md tells users to open it (``mlflow ui``)."""
+    return f"sqlite:///{run_dir}/mlflow.db"
+
+
 def mlflow_run(tracking_uri: str, experiment_name: str = "ddptrain") -> tuple[Any, Any]:
-    """``(client, run)`` for the one run of ``experiment_name`` in the store at ``tracking_uri``."""
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the store ddptrain writes by default
+    """``(client, run)`` for the one run of ``experiment_name`` in the store at ``tracking_uri``, read as a user
+    would, by current MLflow with no opt-out variable set (MLflow 3 refuses its old file store without one)."""
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ, "the store must open without MLflow's opt-out variable"
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow.tracking import MlflowClient
 

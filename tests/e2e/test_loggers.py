@@ -89,7 +89,7 @@ def test_wandb_offline_loss_equals_metrics_jsonl(logged_run: Path) -> None:
 
 
 def test_mlflow_loss_equals_metrics_jsonl(logged_run: Path) -> None:
-    client, run = read.mlflow_run((logged_run / "mlruns").as_uri())  # exactly one MLflow run: rank 0 alone
+    client, run = read.mlflow_run(read.mlflow_default_store(logged_run))  # exactly one MLflow run: rank 0 alone
     assert_same_series(read.mlflow_series(client, run.info.run_id, "loss"), jsonl_losses(logged_run), rel=1e-12)
     assert run.data.params["trainer.max_steps"] == str(STEPS) and run.info.status == "FINISHED"
     report = run_report(logged_run)

@@ -237,7 +237,7 @@ def test_wandb_gets_metrics_config_and_report_offline(logged_run: Path) -> None:
 
 
 def test_mlflow_gets_metrics_params_and_report_in_the_run_folder(logged_run: Path) -> None:
-    client, run = read.mlflow_run((logged_run / "mlruns").as_uri())
+    client, run = read.mlflow_run(read.mlflow_default_store(logged_run))
     assert read.mlflow_series(client, run.info.run_id, "loss") == [(1, 2.0), (2, 1.5)]
     assert read.mlflow_series(client, run.info.run_id, "eval_loss") == [(2, 1.25)]
     params = run.data.params
@@ -248,6 +248,8 @@ def test_mlflow_gets_metrics_params_and_report_in_the_run_folder(logged_run: Pat
     assert read.mlflow_series(client, run.info.run_id, "report/tokens_per_s") == [(2, 1234.5)]
     artifacts = Path(client.download_artifacts(run.info.run_id, ""))
     assert json.loads((artifacts / "report.json").read_text()) == REPORT
+    kept = list((logged_run / "mlartifacts").rglob("report.json"))
+    assert len(kept) == 1, f"the artifacts belong in the run folder, not where the run started: {kept}"
     assert "communication" in (artifacts / "report.md").read_text()
 
 
@@ -273,22 +275,32 @@ def test_a_failed_start_ends_the_loggers_already_started(tmp_path: Path, monkeyp
 
 
 @pytest.mark.parametrize(
-    ("status", "mlflow_status", "wandb_exit_code"), [("failed", "FAILED", 1), ("stopped", "KILLED", 75)]
+    ("status", "mlflow_status", "wandb_exit_code", "tracking_uri"),
+    [("failed", "FAILED", 1, None), ("stopped", "KILLED", 75, "sqlite:///{tmp_path}/elsewhere.db")],
 )
 def test_a_failed_or_stopped_run_does_not_end_as_finished(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: str, mlflow_status: str, wandb_exit_code: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    status: str,
+    mlflow_status: str,
+    wandb_exit_code: int,
+    tracking_uri: str | None,
 ) -> None:
     """close(status) reaches each tool's own record of the run; the first close wins (the logged_run tests
-    above check "finished": MLflow FINISHED, W&B finished with exit code 0)."""
+    above check "finished": MLflow FINISHED, W&B finished with exit code 0). The stopped run goes to a store
+    named by logger.mlflow.tracking_uri, outside the run folder, as a server or a shared database would be."""
     keep_wandb_home_in(monkeypatch, tmp_path)
-    cfg = LoggerConfig(TensorBoardLoggerConfig(), WandbLoggerConfig(mode="offline"), MlflowLoggerConfig())
+    uri = tracking_uri and tracking_uri.format(tmp_path=tmp_path)
+    mlflow_cfg = MlflowLoggerConfig(tracking_uri=uri)
+    cfg = LoggerConfig(TensorBoardLoggerConfig(), WandbLoggerConfig(mode="offline"), mlflow_cfg)
     built = loggers.build_loggers(cfg, tmp_path, CONFIG)
     for logger in built:
         with pytest.raises(ValueError, match="'crashed'"):  # a misspelled status ends nothing
             logger.close("crashed")
         logger.close(status)
         logger.close("finished")  # a second close (an error path after the first) does not overwrite it
-    _, run = read.mlflow_run((tmp_path / "mlruns").as_uri())
+    _, run = read.mlflow_run(uri or read.mlflow_default_store(tmp_path))
+    assert (tmp_path / "mlflow.db").exists() == (uri is None), "the default store is <run>/mlflow.db, and only it"
     assert run.info.status == mlflow_status
     state = read.wandb_state(read.wandb_file(tmp_path))
     assert (state["state"], state["exit_code"]) == ("failed", wandb_exit_code)  # W&B: any code but 0 is Failed
