@@ -453,6 +453,20 @@ def load_state(folder: Path) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- RNG
 
 
+def seed_rng(seed: int, rank: int) -> None:
+    """Give this rank's training its own random streams (torch, CUDA, Python ``random``, numpy).
+
+    The model is built before this from ``seed`` alone, so every rank starts from the same weights. What
+    draws during training (dropout, ``model.lora_dropout``) then draws from these: with one stream for all
+    ranks, every rank would apply rank 0's masks to its own samples. ``capture_rng`` keeps them per rank.
+    """
+    # SeedSequence mixes the pair: with seed + rank, rank 1 of seed 42 would replay rank 0 of seed 43.
+    words = np.random.SeedSequence([seed, rank]).generate_state(2)
+    torch.manual_seed(int(words[0]) << 32 | int(words[1]))  # every CUDA device too
+    random.seed(int(words[0]))
+    np.random.seed(words)
+
+
 def capture_rng() -> dict[str, Any]:
     """This process's RNG states as tensors and plain numbers (safe for ``weights_only`` loading)."""
     numpy_state = np.random.get_state(legacy=False)

@@ -42,6 +42,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.model)
         # The model first: a tokenizer it cannot embed is refused before minutes of tokenizing.
         self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer)
+        checkpoint.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
         self.data: TrainingData = build_training_data(
             cfg,
             self.tokenizer,

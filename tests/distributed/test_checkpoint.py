@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from ddptrain.launch import launch
@@ -27,6 +28,7 @@ from tests.conftest import (
     run_dirs,
     skip_or_fail,
 )
+from tests.distributed.workers import train_recording_dropout_masks
 from tests.distributed.workers_audit import (
     changes_by_rank,
     private_view_unavailable,
@@ -99,6 +101,26 @@ def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path,
         losses = train_losses(run)
         assert min(losses) == manifests[resume_from]["step"] + 1
         assert all(losses[s] == ref_losses[s] for s in losses), "metrics after resuming differ"
+
+
+def test_ranks_start_from_the_same_weights_and_draw_different_dropout_masks(tmp_path) -> None:
+    """Both ranks train step 1 on the same rows: same weights, same inputs to every dropout, different masks. That
+    a resume still replays each rank's masks bit for bit is the test above (its runs have model.lora_dropout=0.1)."""
+    p = 0.5
+    cfg = compose_config([*COMMON, "parallel=ddp2", f"model.lora_dropout={p}", f"trainer.output_dir={tmp_path}"])
+    launch(cfg, tmp_path, entrypoint=train_recording_dropout_masks)
+    rank0, rank1 = (torch.load(tmp_path / f"masks-rank{r}.pt") for r in (0, 1))
+    assert rank0["weights"].keys() == rank1["weights"].keys() and rank0["weights"]
+    assert all(torch.equal(rank0["weights"][k], rank1["weights"][k]) for k in rank0["weights"]), "init differs"
+    assert rank0["dropout"].keys() == rank1["dropout"].keys() and rank0["dropout"], "no LoRA dropout ran"
+    for name, seen in rank0["dropout"].items():
+        other = rank1["dropout"][name]
+        assert torch.equal(seen["input"], other["input"]), f"{name}: the ranks' inputs differ, the test is void"
+        nonzero = seen["input"] != 0  # padding rows come in as zeros: dropout cannot show on them
+        dropped = seen["mask"][nonzero].float().mean().item()
+        assert abs(dropped - p) < 0.05, f"{name} zeroed {dropped:.3f} of its input, not p={p}"
+        same = torch.equal(seen["mask"], other["mask"])
+        assert not same, f"{name}: both ranks drew the same dropout mask"
 
 
 def _worker_pids(launcher_pid: int) -> list[int]:

@@ -103,6 +103,36 @@ def train_fixed_layout(cfg: RunConfig, run_dir: str, store_port: int | None) -> 
         parallel.teardown()
 
 
+def train_recording_dropout_masks(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """Every rank trains step 1 on the same 4 rows through the real Trainer.train_step, recording what each
+    dropout module with p > 0 got and gave back; writes ``masks-rank{N}.pt``: the trainable weights before the
+    step, and per module its input and its mask (the elements it zeroed)."""
+    from ddptrain.data import Collator, RowsDataset
+
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    try:
+        setup_logging(env.rank, None)
+        trainer = Trainer(cfg, env, Path(run_dir))
+        weights = {n: p.detach().clone() for n, p in trainer.loss_module.named_parameters() if p.requires_grad}
+        seen: dict[str, dict[str, torch.Tensor]] = {}
+
+        def record(name: str):
+            def hook(module, inputs, output):
+                seen.setdefault(name, {"input": inputs[0].detach().clone(), "mask": (output == 0).detach().clone()})
+
+            return hook
+
+        for name, module in trainer.loss_module.named_modules():
+            if isinstance(module, torch.nn.Dropout) and module.p > 0:
+                module.register_forward_hook(record(name))
+        rows = RowsDataset(trainer.data.train)
+        batch = Collator(trainer.tokenizer.pad_token_id)([rows[(i,)] for i in range(4)])
+        trainer.train_step([batch])
+        torch.save({"weights": weights, "dropout": seen}, Path(run_dir) / f"masks-rank{env.rank}.pt")
+    finally:
+        parallel.teardown()
+
+
 def train_with_unused_parameter(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
     """The real Trainer on a model carrying one trainable parameter the loss never uses
     (as a user's custom model might): the pre-flight must name it."""

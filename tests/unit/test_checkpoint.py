@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import json
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
@@ -95,14 +97,35 @@ def test_only_the_last_n_checkpoints_are_kept(tmp_path, lora_model) -> None:
     assert names == ["latest", "step-00000002", "step-00000003"]
 
 
-def test_state_loads_without_unpickling_objects(tmp_path) -> None:
-    torch.save({"rng": checkpoint.capture_rng(), "step": 3}, tmp_path / checkpoint.STATE)
-    state = checkpoint.load_state(tmp_path)
-    checkpoint.restore_rng(state["rng"])
-    first = torch.rand(3)
-    checkpoint.restore_rng(state["rng"])
-    assert torch.equal(first, torch.rand(3))
+def draw_from_every_stream() -> dict[str, list[float]]:
+    """A few numbers from every stream a user's code or a library may draw from (CUDA where there is one)."""
+    draws = {
+        "python": [random.random(), random.gauss(0, 1)],
+        "numpy": [*np.random.rand(2).tolist(), float(np.random.standard_normal())],
+        "torch": torch.rand(3).tolist(),
+    }
+    if torch.cuda.is_available():
+        draws["cuda"] = torch.rand(3, device="cuda").tolist()
+    return draws
 
+
+def test_every_random_stream_continues_after_a_restore_from_the_saved_state(tmp_path) -> None:
+    """Saved (as a checkpoint holds it), then every stream drawn from and reseeded; after loading and restoring,
+    each stream gives again what it gave right after the save."""
+    if torch.cuda.is_available():
+        torch.rand(1, device="cuda")  # a CUDA stream in use is one capture_rng keeps
+    random.gauss(0, 1)  # Python and numpy keep a spare normal: the restore must bring that back too
+    np.random.standard_normal()
+    torch.save({"rng": checkpoint.capture_rng(), "step": 3}, tmp_path / checkpoint.STATE)
+    expected = draw_from_every_stream()
+    checkpoint.seed_rng(seed=1, rank=0)
+    moved = draw_from_every_stream()
+    assert all(moved[k] != expected[k] for k in expected), "reseeding must move every stream, or the test means nothing"
+    checkpoint.restore_rng(checkpoint.load_state(tmp_path)["rng"])
+    assert draw_from_every_stream() == expected
+
+
+def test_state_loads_without_unpickling_objects(tmp_path) -> None:
     torch.save({"evil": Payload()}, tmp_path / checkpoint.STATE)
     with pytest.raises(Exception, match=r"[Ww]eights only"):
         checkpoint.load_state(tmp_path)
