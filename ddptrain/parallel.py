@@ -454,17 +454,6 @@ def _powersgd_hook(counter: CommCounter) -> Any:
     return powersgd
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DDP and torch.compile wrappers (what gets saved)."""
-    while True:
-        if isinstance(model, DDP):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
-
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Within this block, backward all-reduces gradients only if ``enabled``.

@@ -8,6 +8,7 @@ has to untangle, and it becomes an import-time failure the day someone hoists th
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ddptrain"
@@ -141,3 +142,19 @@ def test_the_data_side_reads_only_the_data_group() -> None:
     source = (PACKAGE / "data.py").read_text()
     for group in ("model", "optim", "parallel", "trainer"):
         assert group_reads(source, group) == [], f"data.py reads the {group} group: take the value as an argument"
+
+
+def test_every_name_parallel_offers_has_a_caller_in_the_package() -> None:
+    """parallel.py is the one door to torch.distributed: a name in it that nothing calls is a door nobody
+    tests through (the trainer saves from the loss module it holds, not through an unwrapping helper)."""
+    source = (PACKAGE / "parallel.py").read_text()
+    offered = [
+        node.name
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_")
+    ]
+    words = re.compile(r"\w+")
+    used_elsewhere = {w for p in PACKAGE.rglob("*.py") if p.name != "parallel.py" for w in words.findall(p.read_text())}
+    used_inside = words.findall(source)
+    unused = [name for name in offered if name not in used_elsewhere and used_inside.count(name) == 1]
+    assert offered and not unused, f"defined in ddptrain/parallel.py, called nowhere: {unused}"
