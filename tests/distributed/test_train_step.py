@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ddptrain.launch import launch
-from tests.conftest import compose_config, read_metrics
+from tests.conftest import compose_config, read_metrics, skip_or_fail
 from tests.distributed.workers import train_fixed_layout, train_with_unused_parameter
 from tests.distributed.workers_comm import train_recording_gradient_allreduces
 from tests.distributed.workers_teardown import free_the_model_while_gloo_needs_the_gil
@@ -179,7 +179,7 @@ def _cpu_fp16_autocast_works() -> bool:
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_trains(tmp_path, precision) -> None:
     if precision == "fp16" and not _cpu_fp16_autocast_works():
-        pytest.skip("this torch build has no fp16 autocast on CPU")
+        skip_or_fail("this torch build has no fp16 autocast on CPU")
     records = run_fit(tmp_path, precision, ["trainer.max_steps=12", f"trainer.precision={precision}"])
     losses = [r["loss"] for r in records]
     assert all(loss == loss and loss < 20 for loss in losses), losses
@@ -244,7 +244,7 @@ def test_ddp_broadcasts_no_weights_at_start_up(tmp_path) -> None:
     from tests.distributed.workers_replicas import record_startup_broadcast
 
     if "init_sync" not in inspect.signature(ddp_module.DistributedDataParallel.__init__).parameters:
-        pytest.skip("torch before 2.6 cannot skip DDP's start-up broadcast")
+        skip_or_fail("torch before 2.6 cannot skip DDP's start-up broadcast")
     run_dir = tmp_path / "broadcast"
     run_dir.mkdir()
     cfg = compose_config(["parallel=ddp2", f"trainer.output_dir={tmp_path}", *TINY])

@@ -18,7 +18,7 @@ from ddptrain.config import DataConfig, Template
 from ddptrain.data import RowEncoder, tokenize_file
 from ddptrain.model import IGNORE_INDEX, build_tokenizer
 from ddptrain.templates import RowError
-from tests.conftest import QWEN2_TOKENIZER, compose_config, requires_shared
+from tests.conftest import QWEN2_TOKENIZER, compose_config, requires_shared, skip_or_fail
 
 LLAMA3 = (
     "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
@@ -77,7 +77,7 @@ def family(name: str):
     """(tokenizer, how the template ends an assistant reply)."""
     if name == "qwen2":
         if not QWEN2_TOKENIZER.is_dir():
-            pytest.skip("needs ../shared/data/tokenizers/qwen2")
+            skip_or_fail("needs ../shared/data/tokenizers/qwen2")
         return build_tokenizer(compose_config([f"model.tokenizer={QWEN2_TOKENIZER}"]).model), "{}<|im_end|>"
     llama_special = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
     if name in ("llama3", "llama3.1"):
