@@ -402,13 +402,13 @@ GPU_PEAKS: list[tuple[str, GpuPeak]] = [
 ]
 
 
-def lookup_peak_tflops(device_name: str, precision: DType, tf32: bool = False) -> float | None:
-    """The dense peak TFLOP/s of a GPU by its name, for the run's precision.
+def lookup_peak_tflops(device_name: str, matmul_dtype: DType, tf32: bool = False) -> float | None:
+    """The dense peak TFLOP/s of a GPU by its name, for the dtype its matmuls run in.
 
     Args:
         device_name: as ``torch.cuda.get_device_name`` gives it, e.g. "NVIDIA A100-SXM4-80GB".
-        precision: ``trainer.precision``.
-        tf32: fp32 matmuls run on TF32 tensor cores (``torch.set_float32_matmul_precision``).
+        matmul_dtype: what the matmuls run in (``matmul_dtype``).
+        tf32: fp32 matmuls run on TF32 tensor cores (``trainer.tf32``, ``tf32_matmuls``).
 
     Returns:
         The peak, or None for an unknown GPU, a MIG slice (a fraction of the GPU), or a precision
@@ -418,18 +418,37 @@ def lookup_peak_tflops(device_name: str, precision: DType, tf32: bool = False) -
         return None
     for pattern, peak in GPU_PEAKS:
         if re.search(pattern, device_name, flags=re.IGNORECASE):
-            if precision == DType.fp32:
+            if matmul_dtype == DType.fp32:
                 return peak.tf32 if tf32 else peak.fp32
-            return peak.bf16 if precision == DType.bf16 else peak.fp16
+            return peak.bf16 if matmul_dtype == DType.bf16 else peak.fp16
     return None
 
 
-def peak_tflops(device: torch.device, precision: DType, override: float | None) -> float | None:
+def matmul_dtype(precision: DType, weights: DType) -> DType:
+    """The dtype the model's matmuls run in: the autocast dtype when there is one, else the weights' own
+    (``model.dtype=bf16`` with ``trainer.precision=fp32`` multiplies in bf16, at the bf16 peak).
+
+    Args:
+        precision: the resolved ``trainer.precision``.
+        weights: ``model.dtype``.
+    """
+    return precision if precision != DType.fp32 else weights
+
+
+def tf32_matmuls() -> bool:
+    """Whether CUDA fp32 matmuls run on TF32 tensor cores now (``trainer.tf32``, or anyone's setting)."""
+    matmul = torch.backends.cuda.matmul
+    # torch 2.9 added fp32_precision; reading the legacy flag after the new API was used raises ("mix of the legacy
+    # and new APIs"), while fp32_precision reflects either API's setting.
+    return matmul.fp32_precision == "tf32" if hasattr(matmul, "fp32_precision") else bool(matmul.allow_tf32)
+
+
+def peak_tflops(device: torch.device, dtype: DType, override: float | None) -> float | None:
     """The device's dense peak TFLOP/s for ``mfu``: ``trainer.peak_tflops`` if set, else looked up by GPU name.
 
     Args:
         device: this rank's device.
-        precision: ``trainer.precision``.
+        dtype: what the matmuls run in (``matmul_dtype``).
         override: ``trainer.peak_tflops``.
 
     Returns:
@@ -439,5 +458,4 @@ def peak_tflops(device: torch.device, precision: DType, override: float | None) 
         return override
     if device.type != "cuda":
         return None
-    tf32 = torch.get_float32_matmul_precision() != "highest"  # "high" and "medium" let cuBLAS use TF32
-    return lookup_peak_tflops(torch.cuda.get_device_name(device), precision, tf32)
+    return lookup_peak_tflops(torch.cuda.get_device_name(device), dtype, tf32_matmuls())

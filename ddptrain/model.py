@@ -12,6 +12,7 @@ import inspect
 import json
 import logging
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from ddptrain.config import Attention, DType, ModelConfig, ModelInit
+from ddptrain.config import (
+    Attention,
+    DType,
+    ModelConfig,
+    ModelInit,
+    Precision,
+    TrainerConfig,
+    resolve_precision,
+)
 
 log = logging.getLogger(__name__)
 
@@ -297,10 +306,99 @@ LIGER_KERNELS = {
 
 
 def autocast(precision: DType, device: torch.device) -> contextlib.AbstractContextManager:
-    """The forward pass's mixed precision (``trainer.precision``): none for fp32."""
+    """The forward pass's mixed precision (``trainer.precision``, resolved): none for fp32."""
     if precision == DType.fp32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=TORCH_DTYPES[precision])
+
+
+def settle_precision(cfg: TrainerConfig, device: torch.device) -> TrainerConfig:
+    """``trainer.precision`` and ``trainer.tf32`` applied to this rank's device, once it is known.
+
+    ``auto`` becomes bf16 on a CUDA device with native bf16 (compute capability 8.0 and up), fp32 elsewhere; the
+    returned config holds the choice, so the run log, ``config.yaml`` and the diagnosis all show it. TF32 is
+    switched on (or off) for CUDA's fp32 matmuls where the GPU has it; the CPU is left alone.
+
+    Returns:
+        ``cfg`` with ``precision`` resolved (never ``auto``).
+    """
+    chosen = autocast_dtype(cfg, device)
+    ampere_or_newer = _ampere_or_newer(device)
+    if cfg.precision == Precision.auto:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        what = "bf16 autocast" if chosen == DType.bf16 else "fp32, no autocast (no native bf16)"
+        log.info("trainer.precision=auto on %s: %s", name, what)
+    if ampere_or_newer:
+        use_tf32_matmuls(cfg.tf32)
+        log.info("trainer.tf32=%s: fp32 matmuls run in %s", str(cfg.tf32).lower(), "TF32" if cfg.tf32 else "IEEE fp32")
+    return replace(cfg, precision=Precision(chosen.value))
+
+
+def autocast_dtype(cfg: TrainerConfig, device: torch.device) -> DType:
+    """What ``trainer.precision`` means on ``device`` (``config.resolve_precision`` with the device's facts)."""
+    return resolve_precision(cfg.precision, device.type, bf16_supported=_ampere_or_newer(device))
+
+
+def _ampere_or_newer(device: torch.device) -> bool:
+    """Compute capability 8.0 and up: native bf16 and TF32 tensor cores."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def use_tf32_matmuls(enabled: bool) -> None:
+    """CUDA's fp32 matmuls and convolutions on TF32 tensor cores, or in IEEE fp32."""
+    mode = "tf32" if enabled else "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        # torch 2.9+: the per-backend API. It leaves oneDNN's CPU matmuls alone, which the legacy
+        # set_float32_matmul_precision("high") would also switch, and mixing the two APIs makes reads raise.
+        torch.backends.cuda.matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+def attention_cost_warning(attn: Attention, device: torch.device, row_lengths: list[list[int]]) -> str | None:
+    """Advice when the attention kernel does not fit the batching, or None when it does.
+
+    Args:
+        attn: ``model.attn_implementation``.
+        device: this rank's device (only CUDA has a better choice to offer).
+        row_lengths: the sample lengths in each row this rank trains on this epoch (``row_lengths`` of the
+            sampler): several per row when packed.
+    """
+    if device.type != "cuda" or not row_lengths:
+        return None
+    packed = any(len(row) > 1 for row in row_lengths)
+    if attn == Attention.flash_attention_2 and not packed:
+        return (
+            "model.attn_implementation=flash_attention_2 with padded batches: transformers unpads and re-pads every "
+            "batch in every layer (index gathers and a host sync per layer). data.batching=packed hands flash-"
+            "attention's varlen kernel the samples without padding."
+        )
+    if attn == Attention.sdpa and packed:
+        extra = dense_attention_overhead(row_lengths)
+        return (
+            f"model.attn_implementation=sdpa with data.batching=packed builds a dense block-diagonal mask and computes "
+            f"every cross-sample block: {extra:.1f}x the attention scores the samples need, on this epoch's rows "
+            "(not counted in mfu). model.attn_implementation=flash_attention_2 (pip install flash-attn) computes "
+            "each sample alone."
+        )
+    return None
+
+
+def warn_about_attention_cost(attn: Attention, device: torch.device, row_lengths: list[list[int]]) -> None:
+    """Log ``attention_cost_warning``'s advice once, from rank 0 (every rank's plan tells the same story)."""
+    advice = attention_cost_warning(attn, device, row_lengths)
+    if advice:
+        log.warning(advice, extra={"same_on_all_ranks": True})  # metrics.RANK_ZERO_ONLY: other ranks stay quiet
+
+
+def dense_attention_overhead(row_lengths: list[list[int]]) -> float:
+    """Attention scores a dense kernel computes over packed rows, per score the samples need: sum over rows of
+    (row length)^2 over the sum of (sample length)^2 (causal masking halves both)."""
+    dense = sum(sum(row) ** 2 for row in row_lengths)
+    needed = sum(length**2 for row in row_lengths for length in row)
+    return dense / max(needed, 1)
 
 
 def wants_varlen_lengths(cfg: ModelConfig) -> bool:

@@ -492,6 +492,11 @@ class DistributedBatchSampler:
         """Micro-batches per rank in ``epoch`` (token_budget and packed plans vary a little by epoch)."""
         return len(self._plan) if epoch == self._epoch else len(self._plan_of(epoch))
 
+    def row_lengths(self) -> list[list[int]]:
+        """The sample lengths of every row this rank trains on in the current epoch: one per row when padded,
+        several in a packed row (what attention's cost depends on)."""
+        return [[int(self._lengths[i]) for i in row] for step in self._plan for row in step[self.rank]]
+
     def state_dict(self) -> dict:
         """``{"epoch": int, "position": int}``: enough to resume mid-epoch."""
         return {"epoch": self._epoch, "position": self._position}

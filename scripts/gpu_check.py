@@ -2,10 +2,14 @@
 
     python scripts/gpu_check.py [--data ALPACA.jsonl --tokenizer QWEN2_DIR] [--keep DIR]
 
-1. ``python -m pytest tests/gpu``: fp16 and bf16 bases, bf16 autocast, flash-attention with packed batches,
-   Liger, torch.compile, gradient checkpointing on one GPU; bf16_compress over nccl when there are 2 GPUs.
-2. ``python -m ddptrain.bench.throughput --gpu --nproc 1``: ddptrain (length_grouped, packed) and the
-   transformers Trainer (group_by_length) on the same model, precision (bf16) and rows; real tokens/s.
+1. ``python -m pytest tests/gpu``: on one GPU, fp16 and bf16 bases, bf16 autocast, the default precision,
+   flash-attention and sdpa on packed rows against the same samples run alone (logits), Liger, torch.compile,
+   gradient checkpointing; with 2 or more GPUs, 2-rank NCCL runs (tests/gpu/test_gpu_ddp.py): accumulation,
+   gradient checkpointing, eval, save and a bit-identical resume, compile under DDP, torchrun, bf16_compress,
+   one GPU per rank's process.
+2. ``python -m ddptrain.bench.throughput --gpu --nproc <every visible GPU>``: ddptrain (length_grouped, packed)
+   and the transformers Trainer (group_by_length) on the same model, precision (bf16) and rows; real tokens/s,
+   MFU against the GPU's bf16 peak, and peak memory.
    Its data is ../shared/data (real Alpaca, Qwen2 tokenizer) when present, else the bundled
    tiny_instruct rows and tiny tokenizer (the table says which).
 
@@ -87,7 +91,8 @@ def bench_rows(stdout: str, seconds: float) -> list[tuple[str, str, float]]:
     for name, v in results.items():
         ratio = f", {v['tokens_per_s'] / hf:.2f}× HF" if hf else ""
         memory = f", peak {max(v['peak_cuda_mb'])} MB" if v.get("peak_cuda_mb") else ""
-        rows.append((f"bench {name}", f"{v['tokens_per_s']:,.0f} real tok/s{ratio}{memory}", v["job_wall_s"]))
+        mfu = f", MFU {v['mfu']:.1%}" if v.get("mfu") is not None else ""
+        rows.append((f"bench {name}", f"{v['tokens_per_s']:,.0f} real tok/s{ratio}{mfu}{memory}", v["job_wall_s"]))
     return rows or [("bench", "no results", seconds)]
 
 
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data or (BUNDLED_DATA if bundled else ALPACA)
     tokenizer = args.tokenizer or (BUNDLED_TOKENIZER if bundled else QWEN2_TOKENIZER)
 
+    nproc = torch.cuda.device_count()  # every visible GPU: the benchmark's ranks, as a real job would use them
     report = work / "gpu-tests.xml"
     tests_limit = args.budget_s - MIN_BENCH_S
     pytest_command = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rA", "-p", "no:cacheprovider"]
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("tests/gpu", f"FAILED: pytest exited {status} without a report", time.monotonic() - started))
 
     bench_command = [
-        sys.executable, "-m", "ddptrain.bench.throughput", "--gpu", "--nproc", "1", "--data", str(data),
+        sys.executable, "-m", "ddptrain.bench.throughput", "--gpu", "--nproc", str(nproc), "--data", str(data),
         "--tokenizer", str(tokenizer), "--steps", str(args.bench_steps), "--warmup", "4", "--variants", VARIANTS,
         "--workdir", str(work / "bench"), "--json",
     ]  # fmt: skip
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     source = "bundled tiny_instruct + tiny tokenizer (no ../shared/data)" if bundled else f"{data.name}"
     title = (
         f"gpu-check: {torch.cuda.device_count()} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}; "
-        f"bench: 1 process, bf16, {args.bench_steps} steps, data {source}; {time.monotonic() - started:.0f} s; "
+        f"bench: {nproc} process(es), bf16, {args.bench_steps} steps, data {source}; "
+        f"{time.monotonic() - started:.0f} s; "
         f"reports in {work}"
     )
     print_table(title, rows)

@@ -348,7 +348,10 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
     }
     if args.json:
-        print(json.dumps({"setup": header, "results": summary, "runs": results}, indent=2))
+        for v in summary.values():  # the table's MFU, for scripts/gpu_check.py
+            seconds = v["seconds"] * args.nproc * (peak or 0) * 1e12
+            v["mfu"] = model_flops(v["real_tokens"], v["target_tokens"]) / seconds if cuda and peak else None
+        print(json.dumps({"setup": {**header, "peak_tflops": peak}, "results": summary, "runs": results}, indent=2))
         return
     print(", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in header.items()))
     print(table(summary, args.nproc, peak if cuda else None))

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ddptrain.config import DType, RunConfig
+from ddptrain.config import Precision, RunConfig
 from ddptrain.started import Start
 
 
@@ -176,7 +176,7 @@ def _hand_loop(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict)
     params = [p for p in ddp.parameters() if p.requires_grad]
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.trainer.precision == DType.bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.trainer.precision == Precision.bf16)
     clock = Clock()
     for step, batch in enumerate(loader, start=1):
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
@@ -261,7 +261,7 @@ def _hf_trainer(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict
         use_cpu=device.type == "cpu",
         ddp_backend="nccl" if device.type == "cuda" else "gloo",
         ddp_find_unused_parameters=False,  # its default under DDP is True for a model without checkpointing: slower
-        bf16=cfg.trainer.precision == DType.bf16,
+        bf16=cfg.trainer.precision == Precision.bf16,
         dataloader_num_workers=0,
         report_to=[],
         save_strategy="no",

@@ -85,7 +85,9 @@ def check_training_run(output_dir: Path, result: subprocess.CompletedProcess) ->
     assert train[-1]["loss"] < train[0]["loss"] - 0.3, [r["loss"] for r in train]
     eval_loss = records[-1]["eval_loss"]
     assert eval_loss_from_saved_adapter(run_dir) == pytest.approx(eval_loss, rel=1e-5)
-    assert (run_dir / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+    # trainer.precision=auto (the default) on a CPU: fp32, and the run's config and log say so.
+    assert "\n  precision: fp32\n" in (run_dir / "config.yaml").read_text()
+    assert "trainer.precision=auto on cpu: fp32, no autocast" in (run_dir / "train.log").read_text()
     assert not (run_dir / "adapter" / "adapter_model.safetensors").read_bytes().count(b"module.")
 
 

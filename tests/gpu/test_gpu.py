@@ -1,4 +1,4 @@
-"""GPU checks (skipped without CUDA): the risky paths of the real entrypoint on one GPU (two for nccl hooks).
+"""GPU checks (skipped without CUDA): the risky paths of the real entrypoint on one GPU (2 ranks: test_gpu_ddp.py).
 
 On a GPU machine: ``make gpu-check`` (these tests, then the GPU throughput benchmark, one table), or
 ``python -m pytest tests/gpu -q`` alone. Each run is the bundled tiny model for 30 steps on
@@ -33,6 +33,7 @@ SINGLE_GPU = [
     "data.max_rows=1000",
     "data.micro_batch_size=16",
     "data.eval_fraction=0",
+    "trainer.precision=fp32",  # the reference: tests name the precision they check (the default is auto)
 ]
 BF16 = ["model.dtype=bf16", "trainer.precision=bf16"]
 Train = Callable[..., list[dict]]
@@ -90,6 +91,20 @@ def test_bf16_base_trains_without_a_scaler(train: Train) -> None:
     records = train(*BF16)
     assert_trains(records)
     assert sum(r["skipped_steps"] for r in records) == 0, "bf16 needs no GradScaler, so no step is skipped"
+
+
+def test_the_default_precision_is_bf16_autocast_on_a_bf16_gpu(tmp_path) -> None:
+    """trainer.precision=auto: bf16 where the GPU has it, and the run's config.yaml and log say so."""
+    if torch.cuda.get_device_capability(0)[0] < 8:
+        pytest.skip("this GPU has no native bf16: auto stays fp32 (tests/unit/test_precision.py)")
+    args = [*SINGLE_GPU, "trainer.precision=auto", "trainer.max_steps=5", f"trainer.output_dir={tmp_path}"]
+    result = run_ddptrain(args, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    assert "\n  precision: bf16\n" in (run_dir / "config.yaml").read_text()
+    assert "trainer.precision=auto on " in (run_dir / "train.log").read_text()
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert records and all(r["mfu"] is None or 0 < r["mfu"] < 1 for r in records), records
 
 
 def test_bf16_autocast_over_fp32_base(train: Train) -> None:

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from ddptrain import config
 from ddptrain.__main__ import CONF_DIR
-from ddptrain.config import Batching, CommHook, ConfigError, Device
+from ddptrain.config import Attention, Batching, CommHook, ConfigError, Device
 from tests.conftest import REPO, compose_config
 
 GROUPS = ["model", "data", "parallel", "optim", "trainer", "logger"]
@@ -222,13 +222,14 @@ FLASH = "model.attn_implementation=flash_attention_2"
 def test_flash_attention_in_fp32_is_refused_with_the_fix(monkeypatch) -> None:
     cuda_visible(monkeypatch, True)
     with pytest.raises(ConfigError) as info:
-        compose_config([FLASH, "trainer.device=cuda"])  # model.dtype=fp32, trainer.precision=fp32
+        compose_config([FLASH, "trainer.device=cuda", "trainer.precision=fp32"])  # and model.dtype=fp32
     (problem,) = info.value.problems
     assert problem.startswith(f"{FLASH} needs fp16/bf16 activations, but model.dtype=fp32 and trainer.precision=fp32")
     assert "set trainer.precision=bf16 (or model.dtype=bf16)" in problem
     for half in (["trainer.precision=bf16"], ["trainer.precision=fp16"], ["model.dtype=bf16"]):
         assert (
-            compose_config([FLASH, "trainer.device=cuda", *half]).model.attn_implementation.value == "flash_attention_2"
+            compose_config([FLASH, "trainer.device=cuda", "trainer.precision=fp32", *half]).model.attn_implementation
+            == Attention.flash_attention_2
         )
 
 
@@ -260,7 +261,7 @@ def test_flash_attention_with_device_auto_follows_the_cuda_probe(monkeypatch) ->
 def test_flash_attention_reports_both_problems_at_once(monkeypatch) -> None:
     cuda_visible(monkeypatch, False)
     with pytest.raises(ConfigError) as info:
-        compose_config([FLASH, "trainer.device=auto"])
+        compose_config([FLASH, "trainer.device=auto", "trainer.precision=fp32"])
     assert [p.split(", but ")[0] for p in info.value.problems] == [
         f"{FLASH} needs fp16/bf16 activations",
         f"{FLASH} needs a CUDA device",
