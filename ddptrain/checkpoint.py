@@ -16,8 +16,10 @@ only the last ``trainer.keep_last_n`` are kept.
 
 ``Checkpointer`` decides what a checkpoint holds: the trainer hands it its stateful parts (each
 with ``state_dict``/``load_state_dict``) and the data-order fingerprint; it gathers the per-rank
-parts, has rank 0 write (ranks other than 0 hold a writer that does nothing), waits at a barrier,
-and on resume checks that the checkpoint fits the run before restoring every part.
+parts, has rank 0 write (ranks other than 0 hold a writer that does nothing) while the others wait for it
+through the store, up to ``trainer.save_timeout_s`` (not a collective bounded by ``parallel.timeout_s``: a
+save takes as long as the storage needs), and on resume checks that the checkpoint fits the run before
+restoring every part.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import random
 import re
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -83,6 +86,7 @@ class Checkpointer:
         env: this rank's place in the process group (rank 0 writes).
         run_dir: the run directory (checkpoints go to ``<run_dir>/checkpoints``).
         keep_last_n: ``trainer.keep_last_n``.
+        save_timeout_s: ``trainer.save_timeout_s``: how long the other ranks wait for rank 0 to write.
         weights: the model whose trainable weights are saved (the peft model, unwrapped).
         shared: parts equal on every rank (optimizer, scheduler, scaler, sampler), saved once.
         per_rank: parts that differ by rank (the log window); each rank's copy is saved and
@@ -96,6 +100,7 @@ class Checkpointer:
         env: DistEnv,
         run_dir: Path,
         keep_last_n: int,
+        save_timeout_s: float,
         *,
         weights: nn.Module,
         shared: dict[str, Stateful],
@@ -103,16 +108,18 @@ class Checkpointer:
         fingerprint: Fingerprint,
     ):
         self.env, self.run_dir, self.weights = env, run_dir, weights
+        self.save_timeout_s = save_timeout_s
         self.shared = shared
         self.per_rank = {**per_rank, "rng": RNGState()}
         self.fingerprint = fingerprint
         self.writer = build_writer(env.is_rank_zero, run_dir, keep_last_n)
 
     def save(self, step: int) -> None:
-        """Every rank contributes its per-rank parts; rank 0 writes; everyone waits at the barrier.
+        """Every rank contributes its per-rank parts; rank 0 writes; the others wait for it (``after_rank_zero``).
 
         Raises:
-            RuntimeError: the write failed (the previous checkpoint is intact and named).
+            RuntimeError: the write failed, on rank 0 or as rank 0 told the others (the previous checkpoint is
+                intact and named), or took longer than ``trainer.save_timeout_s``.
         """
         gathered = {name: parallel.all_gather_object(part.state_dict()) for name, part in self.per_rank.items()}
         state = {"step": step, **{name: part.state_dict() for name, part in self.shared.items()}, **gathered}
@@ -123,7 +130,9 @@ class Checkpointer:
             "data_order": self.fingerprint.values,
         }
         try:
-            self.writer.save(self.weights, state, meta)
+            write = partial(self.writer.save, self.weights, state, meta)
+            what = f"save the checkpoint of step {step}"
+            parallel.after_rank_zero(write, what, self.save_timeout_s, "trainer.save_timeout_s")
         except Exception as err:
             previous = newest_complete(self.run_dir / "checkpoints")
             raise RuntimeError(
@@ -132,11 +141,16 @@ class Checkpointer:
                 f"Free space in {self.run_dir} or point trainer.output_dir at a writable disk, and resume with "
                 f"trainer.resume={self.run_dir}."
             ) from err
-        parallel.barrier()
 
     def save_final(self, tokenizer: PreTrainedTokenizerBase, model_cfg: ModelConfig, seed: int) -> None:
-        """Rank 0 writes ``<run>/adapter`` (and a random base); the others go on to the caller's barrier."""
-        self.writer.save_final(self.weights, tokenizer, model_cfg, seed)
+        """Rank 0 writes ``<run>/adapter`` (and a random base); the others wait for it, as for a checkpoint.
+
+        Raises:
+            RuntimeError: the write failed, or took longer than ``trainer.save_timeout_s``.
+        """
+        write = partial(self.writer.save_final, self.weights, tokenizer, model_cfg, seed)
+        what = f"save the final weights to {self.run_dir / 'adapter'}"
+        parallel.after_rank_zero(write, what, self.save_timeout_s, "trainer.save_timeout_s")
 
     def resume(self, resume: str) -> int | None:
         """Restore every part from ``trainer.resume`` (auto: this run's newest checkpoint, if any).
@@ -296,12 +310,12 @@ class NullCheckpointWriter:
     """What ranks other than 0 hold: every method does nothing."""
 
     def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Rank 0 writes the checkpoint; this rank waits at the trainer's barrier."""
+        """Rank 0 writes the checkpoint; this rank waits for it (``parallel.after_rank_zero``)."""
 
     def save_final(
         self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, model_cfg: ModelConfig, seed: int
     ) -> None:
-        """Rank 0 writes the final adapter; this rank waits at the trainer's barrier."""
+        """Rank 0 writes the final adapter; this rank waits for it (``parallel.after_rank_zero``)."""
 
 
 def build_writer(is_rank_zero: bool, run_dir: Path, keep_last_n: int) -> CheckpointWriter | NullCheckpointWriter:

@@ -358,6 +358,10 @@ class TrainerConfig:
     """0 = save only at the end."""
     keep_last_n: int = 3
     """Checkpoints kept under <run>/checkpoints (older ones are deleted)."""
+    save_timeout_s: int = 3600
+    """How long the other ranks wait for rank 0 to write a checkpoint or the final weights. They wait through the
+    store, not in a collective, so a save may outlast parallel.timeout_s (tens of GB on network storage); a save
+    that fails ends every rank at once, with rank 0's error."""
     resume: str = "auto"
     """auto: continue from this run directory's newest checkpoint, if any; none; or a checkpoint/run folder."""
     save_final: bool = True
@@ -640,6 +644,7 @@ def _check_optim(o: OptimConfig, d: DataConfig) -> list[str]:
 def _check_trainer(t: TrainerConfig) -> list[str]:
     problems = _positive({"trainer.max_steps": t.max_steps, "trainer.epochs": t.epochs})
     problems += _positive({"trainer.log_every_n_steps": t.log_every_n_steps, "trainer.keep_last_n": t.keep_last_n})
+    problems += _positive({"trainer.save_timeout_s": t.save_timeout_s})
     if t.resume not in ("auto", "none") and not os.path.exists(os.path.expanduser(t.resume)):
         problems.append(
             f"trainer.resume={t.resume}: no such folder. Use auto, none, or a run / checkpoints/step-N folder."

@@ -56,7 +56,9 @@ NCCL_TRACE_PREFIX = "nccl_trace_rank_"
 # - NCCL's watchdog, or a blocking wait: "Watchdog caught collective operation timeout: WorkNCCL(...) ran for
 #   10012 milliseconds before timing out.";
 # - the c10d TCPStore (ranks meet there at start-up, and in store-based barriers): "wait timeout after 10000ms,
-#   keys: ...", "barrier timeout after 10000ms, key: ...".
+#   keys: ...", "barrier timeout after 10000ms, key: ...";
+# - ddptrain's own wait for the device to finish a step (``parallel.LateRead``, where a GPU's host waits on NCCL):
+#   "Timed out waiting 10000ms for the device to finish step 3 ...".
 # Not any "timed out": "DataLoader timed out after 60 seconds" is this rank's own data loading, not a wait
 # for another rank, and must reach the user as it is.
 _COLLECTIVE_TIMEOUT = re.compile(
@@ -64,6 +66,7 @@ _COLLECTIVE_TIMEOUT = re.compile(
     r"|Application timeout caused pair closure"
     r"|Watchdog caught collective operation timeout"
     r"|(?:wait|barrier) timeout after \d+ms"
+    r"|Timed out waiting \d+ms for the device to finish step"
 )
 
 
@@ -86,6 +89,14 @@ class PhaseBoard:
     def enter(self, name: str, step: int | None = None, micro_step: int | None = None) -> None:
         # One tuple-like object swapped in whole: the watchdog thread never sees half an update.
         self.current = Phase(name, step, micro_step, time.time())
+
+    @contextlib.contextmanager
+    def showing(self, phase: Phase) -> Iterator[None]:
+        """``phase`` for the block (a wait for work of an earlier step: ``parallel.LateRead``), then the phase
+        before it. Not put back when the block raises: the error is reported where the host was waiting."""
+        before, self.current = self.current, phase
+        yield
+        self.current = before
 
 
 board = PhaseBoard()

@@ -547,6 +547,7 @@ def _watching_for_hangs(
     cfg: RunConfig, env: DistEnv, hang_dir: Path, attempt: int
 ) -> contextlib.AbstractContextManager[None]:
     """``hangs.watch`` with this run's timeouts: ``tokenize`` may last data.prepare_timeout_s, as long as the
-    other ranks wait for local rank 0 to tokenize (``parallel.local_rank_zero_first``)."""
-    limits = {"tokenize": cfg.data.prepare_timeout_s}
+    other ranks wait for local rank 0 to tokenize (``parallel.local_rank_zero_first``); ``save`` may last
+    trainer.save_timeout_s, as long as they wait for rank 0 to write (``parallel.after_rank_zero``)."""
+    limits = {"tokenize": cfg.data.prepare_timeout_s, "save": cfg.trainer.save_timeout_s}
     return hangs.watch(hang_dir, env.rank, env.world_size, cfg.parallel.timeout_s, attempt=attempt, limits=limits)

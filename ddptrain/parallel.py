@@ -12,12 +12,13 @@ import atexit
 import contextlib
 import faulthandler
 import inspect
+import itertools
 import logging
 import os
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddptrain import hangs
 from ddptrain.config import Backend, CommHook, Device, ParallelConfig
 from ddptrain.started import Start
 
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Where collective tensors must live: NCCL reduces CUDA tensors only, gloo CPU ones.
 _collective_device = torch.device("cpu")
+# The store the group formed over (``after_rank_zero`` waits there, past parallel.timeout_s), and that timeout.
+_store: dist.Store | None = None
+_timeout_s = 600.0
 
 
 @dataclass(frozen=True)
@@ -85,10 +90,28 @@ def init_distributed(
         store: dist.Store = dist.HashStore()
     else:
         store = _rendezvous_store(start.rank, store_port, timeout, start.restart_count)
-    dist.init_process_group(backend, store=store, rank=start.rank, world_size=start.world_size, timeout=timeout)
-    global _collective_device
+    group_timeout = timedelta(seconds=cfg.timeout_s + timeout_grace_s(backend, cfg.timeout_s))
+    dist.init_process_group(backend, store=store, rank=start.rank, world_size=start.world_size, timeout=group_timeout)
+    global _collective_device, _store, _timeout_s
     _collective_device = torch_device if backend == "nccl" else torch.device("cpu")
+    _store, _timeout_s = store, float(cfg.timeout_s)
     return DistEnv(start.rank, start.local_rank, start.world_size, start.local_world_size, torch_device, backend)
+
+
+def timeout_grace_s(backend: str, timeout_s: float) -> float:
+    """How much longer than ``parallel.timeout_s`` the process group itself waits.
+
+    On NCCL the host runs ahead of the GPU and learns of a hung collective only where it waits for the device
+    (``LateRead``). NCCL's own watchdog ends the process (SIGABRT) once a collective passes the group's timeout,
+    before Python can write the failure record or the hang report; ddptrain's wait gives up at ``timeout_s``
+    counted from when the step was queued, so the group gets a grace on top that covers the time the host takes to
+    queue one step. gloo raises in the waiting thread itself: no grace.
+    """
+    return max(NCCL_GRACE_MIN_S, NCCL_GRACE_SHARE * timeout_s) if backend == "nccl" else 0.0
+
+
+NCCL_GRACE_MIN_S = 30.0
+NCCL_GRACE_SHARE = 0.1
 
 
 # Keys of torchrun's agent store that ddptrain keeps for a job across its restarts (see torchrun_round).
@@ -500,19 +523,53 @@ class LateRead:
     """A device value copied to the host without waiting; ``value()`` waits for that copy only.
 
     The training loop reads the stop votes of step k after queueing step k+1: on a GPU the host
-    then never waits for the step in flight (CPU tensors are simply read).
+    then never waits for the step in flight (CPU tensors are simply read). When it does wait, the device has not
+    finished step k: another rank has not joined one of its collectives. The hang report then shows this rank in
+    ``device_wait`` at step k (not in step k+1, where the host is), and the wait gives up after
+    ``parallel.timeout_s`` with an error the hang report knows, before NCCL's watchdog would end the process
+    (``timeout_grace_s``).
+
+    Args:
+        tensor: the value, on the device; the copy is queued after everything queued so far.
+        step: the optimizer step whose work the copy follows (1-based, as the hang report counts).
     """
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, step: int):
         self.host = tensor.detach().to("cpu", non_blocking=True)
         self.copied = torch.cuda.Event() if tensor.is_cuda else None
         if self.copied is not None:
             self.copied.record()
+        self.waits_in = hangs.Phase("device_wait", step, None, time.time())
 
     def value(self) -> float:
-        if self.copied is not None:
-            self.copied.synchronize()
+        """The value; waits for the device up to ``parallel.timeout_s`` after the step was queued.
+
+        Raises:
+            RuntimeError: the device did not get there in time ("Timed out waiting ...ms for the device").
+        """
+        if self.copied is not None and not self.copied.query():
+            with hangs.board.showing(self.waits_in):
+                wait_for_device(self.copied, self.waits_in.since + _timeout_s, self.waits_in.step)
         return float(self.host)
+
+
+DEVICE_POLL_S = 0.0005
+"""How often a host that waits for the device looks: ``event.synchronize()`` could not give up at a deadline."""
+
+
+def wait_for_device(event: Any, deadline: float, step: int | None) -> None:
+    """Until ``event`` (a CUDA event, or anything with ``query()``) completes, or ``deadline`` (``time.time()``).
+
+    Raises:
+        RuntimeError: the deadline passed; its text is what ``hangs.is_collective_timeout`` looks for.
+    """
+    while not event.query():
+        if time.time() >= deadline:
+            raise RuntimeError(
+                f"Timed out waiting {_timeout_s * 1000:.0f}ms for the device to finish step {step} "
+                f"(parallel.timeout_s={_timeout_s:g}): another rank has not joined one of its collectives"
+            )
+        time.sleep(DEVICE_POLL_S)
 
 
 def all_gather_tensor(values: torch.Tensor) -> torch.Tensor:
@@ -535,6 +592,68 @@ def broadcast_object(obj: T, src: int = 0) -> T:
 
 def barrier() -> None:
     dist.barrier()
+
+
+def after_rank_zero(work: Callable[[], T], what: str, timeout_s: float, timeout_key: str) -> T | None:
+    """``work()`` on every rank (elsewhere than rank 0 a null object's no-op), then the other ranks wait for rank 0's
+    to end, up to ``timeout_s``: through a key in the group's store, not a collective, so rank 0 may take longer
+    than ``parallel.timeout_s`` (a checkpoint of tens of GB on network storage). Rank 0 leaves its outcome under
+    the key, so a failure there ends every rank at once, each with rank 0's error. Every rank calls it, in the
+    same order, like a collective.
+
+    Args:
+        work: what rank 0 does (a checkpoint writer's ``save``).
+        what: for the errors: "save the checkpoint of step 20".
+        timeout_s: how long the other ranks wait.
+        timeout_key: the config key that sets ``timeout_s``, named in the error.
+
+    Returns:
+        ``work()``'s result (on rank 0; None elsewhere).
+
+    Raises:
+        RuntimeError: rank 0 failed (its error), or did not finish within ``timeout_s``.
+    """
+    key = f"ddptrain/after_rank_zero/{next(_rank_zero_works)}"
+    if dist.get_world_size() == 1:
+        return work()
+    assert _store is not None, "init_distributed first"
+    if dist.get_rank() == 0:
+        try:
+            result = work()
+        except BaseException as err:
+            _store.set(key, f"failed: {type(err).__name__}: {err}"[:2000])
+            raise
+        _store.set(key, "ok")
+        return result
+    work()
+    outcome = _wait_for_key(key, time.monotonic() + timeout_s)
+    if outcome is None:
+        raise RuntimeError(
+            f"rank 0 did not {what} within {timeout_key}={timeout_s:g} s: raise {timeout_key} if the storage is "
+            "this slow, or look for a rank 0 that hung (its stacks: <run>/hang/)."
+        )
+    if outcome != "ok":
+        raise RuntimeError(f"rank 0 could not {what}: {outcome.removeprefix('failed: ')}")
+    return None
+
+
+_rank_zero_works = itertools.count()
+AFTER_RANK_ZERO_POLL_S = (0.01, 1.0)
+"""The first and the longest pause between two looks at the store (doubling): a short save is seen at once,
+a long one costs the store one request a second per waiting rank."""
+
+
+def _wait_for_key(key: str, deadline: float) -> str | None:
+    """The key's value once rank 0 set it, or None at ``deadline`` (``time.monotonic()``). Short looks, not one long
+    ``store.wait``: between two, Python's signal handlers run (a second Ctrl-C aborts a save)."""
+    assert _store is not None, "init_distributed first"
+    pause, longest = AFTER_RANK_ZERO_POLL_S
+    while not _store.check([key]):
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(2 * pause, longest)
+    return _store.get(key).decode()
 
 
 @contextlib.contextmanager

@@ -76,6 +76,7 @@ class Trainer:
             env,
             run_dir,
             cfg.trainer.keep_last_n,
+            cfg.trainer.save_timeout_s,
             weights=self.loss_module.model,
             shared=shared,
             per_rank={"windows": self.window},
@@ -104,10 +105,9 @@ class Trainer:
                 self.profiler.step_begins(self.step + 1)
                 with profiling.out_of_memory_named(micro_batches, self.env, self.run_dir):
                     result = self.train_step(micro_batches, stop_requested=stop.requested)
-                # The previous step's stop vote, the same on every rank: by now its copy to the host
-                # has long finished, so reading it never waits for this step's work on the device.
+                # The previous step's stop vote, equal on every rank; its copy has long reached the host.
                 stopping = votes is not None and votes.value() > 0
-                votes = parallel.LateRead(result.stop_votes)
+                votes = parallel.LateRead(result.stop_votes, self.step + 1)  # self.step: the steps before this one
                 last = self.after_step(result, watch, bar) or last
                 if stopping or self.step >= self.total_steps:
                     break

@@ -27,8 +27,9 @@ TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--np
 TIMEOUT_S = 10  # parallel.timeout_s: short, so the test is short
 FAIL_WITHIN_S = 60  # from the moment rank 1 blocks to the end of the run
 # Sooner in fact: the blocked rank leaves as soon as rank 0 has failed, instead of sitting out the 30 s that the
-# launcher's agent gives a rank between its SIGTERM and its SIGKILL.
-LEAVES_WITHIN_S = TIMEOUT_S + 15
+# launcher's agent gives a rank between its SIGTERM and its SIGKILL (that took TIMEOUT_S + 30 s or more). 25 s over
+# the timeout fails that and leaves a busy 2-core machine room to start the failure's reports.
+LEAVES_WITHIN_S = TIMEOUT_S + 25
 STALL_STEP = 3
 STALLED_AT_ENV = "DDPTRAIN_TEST_STALLED_AT"
 
@@ -131,6 +132,17 @@ def test_a_blocked_rank_fails_the_run_within_a_minute_naming_every_ranks_phase(t
     assert f"rank 0 (pid {read_pid(hang, 0)}): " in rank0_stacks and "train_step" in rank0_stacks, rank0_stacks
     assert "stall_rank1_in_forward" not in rank0_stacks
     assert str(hang / "rank1.stacks.txt") in output, "the console names the dump files"
+
+    # The files the launcher's summary reads, left before the processes ended: rank 0's failure record (its
+    # collective timed out) and each rank's last phase, the one it really was in. Rank 1 left by itself on seeing
+    # rank 0's record (no error of its own).
+    failed = json.loads((hang / "rank0.failed").read_text())
+    assert failed["timed_out"] is True and "Timed out waiting" in failed["error"], failed
+    assert not (hang / "rank1.failed").exists()
+    rank0, rank1 = (json.loads((hang / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert (rank0["name"], rank0["step"], rank0["micro_step"]) == ("backward", STALL_STEP, 0), rank0
+    assert (rank1["name"], rank1["step"], rank1["micro_step"]) == ("forward", STALL_STEP, 0), rank1
+    assert rank1["frame"].startswith("stall_rank1_in_forward ("), rank1
 
 
 def read_pid(hang: Path, rank: int) -> int:

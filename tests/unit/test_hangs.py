@@ -340,3 +340,51 @@ def test_the_launchers_summary_adds_every_ranks_phase_after_a_timeout_or_a_kill(
     failure(tmp_path, rank=0, timed_out=True)
     timed_out = summary(tmp_path, rank0=Failure(1, "CollectiveTimeout: collective timed out ..."))
     assert "    rank 0: forward at step 3 micro-step 0 for 11 s (its collective timed out)" in timed_out
+
+
+# ----------------------------------------------------------------------------- a GPU's host waiting for its device
+
+
+class DeviceNeverDone:
+    """Stands in for the CUDA event after a step's work whose collective another rank never joined: it never
+    completes. It notes the phase the hang report shows each time the host looks."""
+
+    def __init__(self) -> None:
+        self.seen: list[Phase] = []
+
+    def query(self) -> bool:
+        self.seen.append(hangs.board.current)
+        return False
+
+
+def test_a_host_waiting_for_its_device_reports_that_step_and_times_out_with_a_failure_record(
+    tmp_path, monkeypatch
+) -> None:
+    """On NCCL the host queues step 4 before it reads step 3's stop votes, and only there waits for the device.
+    The report must show the step the host waits for (3, not 4), and the wait must end with a collective timeout
+    that leaves the failure record and the report while Python still runs (NCCL's watchdog would SIGABRT later)."""
+    import torch
+
+    from ddptrain import parallel
+
+    timeout_s = 2.0  # the watchdog writes the phase file within its 1 s poll: before the wait ends
+    monkeypatch.setattr(parallel, "_timeout_s", timeout_s)
+    late = parallel.LateRead(torch.tensor(0.0), step=3)
+    late.copied = DeviceNeverDone()
+    started = time.monotonic()
+    with pytest.raises(hangs.CollectiveTimeout) as raised, hangs.watch(tmp_path, rank=0, world_size=2, timeout_s=2):
+        hangs.board.enter("other", 4)  # the host has queued step 4 meanwhile
+        late.value()
+    waited = time.monotonic() - started
+    assert timeout_s - 0.1 < waited < timeout_s + 1, f"gave up after {waited:.1f} s, not parallel.timeout_s"
+    _first_look, *waiting = late.copied.seen  # the first look is quick: a finished step changes no phase
+    assert waiting and {(p.name, p.step) for p in waiting} == {("device_wait", 3)}
+    assert str(raised.value).startswith(
+        "collective timed out after parallel.timeout_s=2 s on rank 0 in device_wait at step 3"
+    )
+    record = json.loads((tmp_path / "rank0.failed").read_text())
+    assert record["timed_out"] is True and "for the device to finish step 3" in record["error"]
+    phase = json.loads((tmp_path / "rank0.json").read_text())
+    assert (phase["name"], phase["step"]) == ("device_wait", 3)
+    assert parallel.timeout_grace_s("nccl", 600) >= parallel.NCCL_GRACE_MIN_S, "NCCL's watchdog must come after"
+    assert parallel.timeout_grace_s("gloo", 600) == 0, "gloo raises in the waiting thread: its timeout is the key's"

@@ -1,0 +1,64 @@
+"""Saves on 2 gloo ranks that take as long as they take: rank 0's checkpoint write held past parallel.timeout_s
+does not fail the run (the other rank waits through the store, up to trainer.save_timeout_s), the run resumes from
+that checkpoint exactly, and a write that fails on rank 0 still ends both ranks at once, each with rank 0's error."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from ddptrain.launch import launch
+from tests.conftest import compose_config, read_metrics
+from tests.distributed.workers_saves import HOLD_S, train_with_rank0_save_failing, train_with_rank0_save_held
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT_S = 5  # parallel.timeout_s: shorter than the held write (HOLD_S), long enough for the ranks' start-up
+ENDS_WITHIN_S = 15  # from rank 0's failed write to both ranks gone
+ARGS = [
+    "parallel=ddp2",
+    "data.max_rows=160",
+    "data.eval_fraction=0",
+    "trainer.max_steps=4",
+    "trainer.save_every_n_steps=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.progress_bar=false",
+    f"parallel.timeout_s={TIMEOUT_S}",
+]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+@pytest.mark.timeout(180)
+def test_a_save_longer_than_the_collective_timeout_finishes_resumes_and_a_failed_one_ends_both_ranks(tmp_path) -> None:
+    assert HOLD_S > TIMEOUT_S + 1, "the write must be held past parallel.timeout_s"
+    held_dir = tmp_path / "held"
+    held_dir.mkdir()
+    launch(compose_config([*ARGS, f"trainer.output_dir={tmp_path}"]), held_dir, entrypoint=train_with_rank0_save_held)
+    held = json.loads((held_dir / "held.json").read_text())
+    assert held["step"] == 2 and held["held_s"] > TIMEOUT_S + 1, held
+    step2 = held_dir / "checkpoints" / "step-00000002"
+    assert (step2 / "manifest.json").is_file() and (held_dir / "checkpoints" / "step-00000004").is_dir()
+    assert sorted(losses(held_dir)) == [1, 2, 3, 4]
+
+    # Resumed from the held checkpoint, the run trains steps 3 and 4 exactly as the held run did; then rank 0's
+    # last checkpoint write fails, and both ranks end soon after, the other one with rank 0's error.
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    cfg = compose_config([*ARGS, f"trainer.resume={step2}", f"trainer.output_dir={tmp_path}"])
+    with pytest.raises(RuntimeError, match="training failed") as failed:
+        launch(cfg, resumed_dir, entrypoint=train_with_rank0_save_failing)
+    ended_s = time.time() - float((resumed_dir / "failed_at").read_text())
+    assert ended_s < ENDS_WITHIN_S, f"both ranks ended {ended_s:.1f} s after rank 0's write failed"
+    assert losses(resumed_dir) == {s: loss for s, loss in losses(held_dir).items() if s > 2}
+    assert "No space left on device" in (resumed_dir / "error0.txt").read_text()
+    rank1 = (resumed_dir / "error1.txt").read_text()
+    assert "rank 0 could not save the checkpoint of step 4: OSError: [Errno 28] No space left" in rank1, rank1
+    assert f"trainer.resume={resumed_dir}" in rank1, "the error says how to resume"
+    print(f"held {held['held_s']:.1f} s past parallel.timeout_s={TIMEOUT_S}; failed run ended in {ended_s:.1f} s")
+    print(str(failed.value))

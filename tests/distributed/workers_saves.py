@@ -1,0 +1,52 @@
+"""Entrypoints for tests/distributed/test_slow_saves.py: the product's worker, with rank 0's checkpoint writer held
+past parallel.timeout_s, or failing as a full disk does. Only rank 0 holds a ``CheckpointWriter`` (the other ranks
+hold a null writer), so the patch acts on rank 0 alone."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from ddptrain.config import RunConfig
+
+HOLD_S = 7.0
+"""How long rank 0's first checkpoint write is held: longer than the test's parallel.timeout_s."""
+
+
+def train_with_rank0_save_held(cfg: RunConfig, run_dir: str, store_port: int | None) -> Any:
+    """Rank 0's first checkpoint write sleeps ``HOLD_S`` before it writes; ``held.json`` says which and how long."""
+    from ddptrain import checkpoint, launch
+
+    write = checkpoint.CheckpointWriter.save
+
+    def held(self: checkpoint.CheckpointWriter, model: Any, state: dict, meta: dict) -> Any:
+        record = Path(run_dir) / "held.json"
+        if not record.exists():
+            started = time.monotonic()
+            time.sleep(HOLD_S)
+            record.write_text(json.dumps({"step": meta["step"], "held_s": time.monotonic() - started}))
+        return write(self, model, state, meta)
+
+    checkpoint.CheckpointWriter.save = held
+    return launch.worker(cfg, run_dir, store_port)
+
+
+def train_with_rank0_save_failing(cfg: RunConfig, run_dir: str, store_port: int | None) -> Any:
+    """Rank 0's checkpoint writes fail as on a full disk (``failed_at`` holds when); each rank's error goes to
+    ``error{rank}.txt``."""
+    from ddptrain import checkpoint, launch
+
+    def full_disk(self: checkpoint.CheckpointWriter, model: Any, state: dict, meta: dict) -> None:
+        (Path(run_dir) / "failed_at").write_text(repr(time.time()))
+        raise OSError(errno.ENOSPC, "No space left on device (injected by the test)")
+
+    checkpoint.CheckpointWriter.save = full_disk
+    try:
+        return launch.worker(cfg, run_dir, store_port)
+    except Exception as err:
+        (Path(run_dir) / f"error{os.environ['RANK']}.txt").write_text(str(err))
+        raise
