@@ -15,6 +15,7 @@ import inspect
 import itertools
 import logging
 import os
+import socket
 import sys
 import time
 import weakref
@@ -80,7 +81,7 @@ def init_distributed(
         The DistEnv of this process.
 
     Raises:
-        RuntimeError: CUDA asked for but missing, or nccl asked for without CUDA.
+        RuntimeError: CUDA asked for but missing, nccl asked for without CUDA, or two ranks on one GPU.
     """
     start = start or Start.from_environ()
     torch_device = _pick_device(device, start.local_rank)
@@ -95,7 +96,9 @@ def init_distributed(
     global _collective_device, _store, _timeout_s
     _collective_device = torch_device if backend == "nccl" else torch.device("cpu")
     _store, _timeout_s = store, float(cfg.timeout_s)
-    return DistEnv(start.rank, start.local_rank, start.world_size, start.local_world_size, torch_device, backend)
+    env = DistEnv(start.rank, start.local_rank, start.world_size, start.local_world_size, torch_device, backend)
+    check_one_rank_per_gpu(env, store)
+    return env
 
 
 def timeout_grace_s(backend: str, timeout_s: float) -> float:
@@ -210,14 +213,59 @@ def _pick_device(device: Device, local_rank: int) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but this torch build sees no CUDA device: use trainer.device=cpu.")
-    if local_rank >= torch.cuda.device_count():
-        raise RuntimeError(
-            f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible. "
-            "Lower parallel.nproc_per_node (or torchrun --nproc_per_node) to the number of GPUs."
-        )
+    index = cuda_index(local_rank, torch.cuda.device_count())
     # Before anything touches CUDA, or every rank allocates a context on GPU 0.
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def cuda_index(local_rank: int, visible: int) -> int:
+    """The CUDA device this rank uses, of the ``visible`` ones it sees.
+
+    A scheduler that binds one GPU to each task (Slurm's ``--gpus-per-task``, ``CUDA_VISIBLE_DEVICES`` set per
+    rank) shows each rank a single device, ``cuda:0``, whatever its local rank; otherwise every rank of the node
+    sees all of them and takes the one at its local rank. Two ranks that end up on one GPU are refused once the
+    group forms (``check_one_rank_per_gpu``).
+
+    Raises:
+        RuntimeError: several GPUs visible, but fewer than the local ranks.
+    """
+    if visible == 1 or local_rank < visible:
+        return 0 if visible == 1 else local_rank
+    raise RuntimeError(
+        f"local rank {local_rank} has no GPU: only {visible} visible. "
+        "Lower parallel.nproc_per_node (or torchrun --nproc_per_node) to the number of GPUs."
+    )
+
+
+def check_one_rank_per_gpu(env: DistEnv, store: dist.Store) -> None:
+    """No two ranks drive one GPU (a scheduler that shows several ranks the same single GPU would put them there).
+    Exchanged over the group's store, not NCCL, whose first collective would fail first with its own "Duplicate GPU
+    detected". Every rank calls it.
+
+    Raises:
+        RuntimeError: naming the ranks that share a GPU and the fix.
+    """
+    if env.device.type != "cuda" or env.world_size == 1:
+        return
+    mine = f"{socket.gethostname()} {torch.cuda.get_device_properties(env.device).uuid}"
+    store.set(f"ddptrain/device/rank{env.rank}", mine)
+    devices = [store.get(f"ddptrain/device/rank{rank}").decode() for rank in range(env.world_size)]  # waits for all
+    shared = ranks_sharing_a_device(devices)
+    if shared:
+        raise RuntimeError(
+            f"ranks {', '.join(map(str, shared[0]))} all run on one GPU ({devices[shared[0][0]]}): each rank needs its "
+            "own. Give every task its own GPU (Slurm --gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank), or show "
+            "every rank all GPUs of the node, or start fewer processes per node."
+        )
+
+
+def ranks_sharing_a_device(devices: list[str]) -> list[list[int]]:
+    """Groups of ranks (by index into ``devices``: each rank's host and device id) that share a device."""
+    by_device: dict[str, list[int]] = {}
+    for rank, device in enumerate(devices):
+        by_device.setdefault(device, []).append(rank)
+    return [ranks for ranks in by_device.values() if len(ranks) > 1]
 
 
 def _pick_backend(backend: Backend, device: torch.device) -> str:

@@ -156,7 +156,7 @@ def test_with_every_gpu_visible_each_local_rank_takes_its_own() -> None:
 
 
 def test_ranks_on_one_device_are_found() -> None:
-    devices = [("node1", "GPU-a"), ("node1", "GPU-b"), ("node2", "GPU-a"), ("node1", "GPU-a")]
+    devices = ["node1 GPU-a", "node1 GPU-b", "node2 GPU-a", "node1 GPU-a"]
     assert parallel.ranks_sharing_a_device(devices) == [[0, 3]]
     assert parallel.ranks_sharing_a_device(devices[:3]) == []
 
@@ -203,3 +203,21 @@ def test_the_settled_config_keeps_every_other_trainer_key() -> None:
     cfg = dataclasses.replace(TrainerConfig(), seed=7, max_steps=3)
     settled = model.settle_precision(cfg, torch.device("cpu"))
     assert dataclasses.replace(settled, precision=Precision.auto) == cfg
+
+
+def test_two_ranks_on_one_gpu_are_refused_before_nccl_would_fail(monkeypatch) -> None:
+    """The exchange runs over the group's store (NCCL's first collective would fail first, with its own message):
+    rank 1 already said it is on this host's GPU-a, and rank 0 finds itself there too."""
+    import socket
+    import types
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(uuid="GPU-a"))
+    store = dist.HashStore()
+    env = parallel.DistEnv(rank=0, local_rank=0, world_size=2, local_world_size=2, device=CUDA, backend="nccl")
+    store.set("ddptrain/device/rank1", f"{socket.gethostname()} GPU-a")
+    with pytest.raises(RuntimeError, match=r"ranks 0, 1 all run on one GPU .*GPU-a.*--gpus-per-task=1"):
+        parallel.check_one_rank_per_gpu(env, store)
+    store.set("ddptrain/device/rank1", f"{socket.gethostname()} GPU-b")
+    parallel.check_one_rank_per_gpu(env, store)  # each its own GPU
