@@ -1,0 +1,130 @@
+"""Every ``python -m ddptrain.bench.*`` command, at the smallest size, so that the commands behind the numbers in
+bench/README.md cannot break unnoticed. Each runs its ``main`` in this process with tiny arguments (the launches
+fork their ranks from the test session's forkserver); what it prints is checked against what it was given.
+
+The two sweep benchmarks (``startup``, ``sweep``) time whole sweeps of the real command line, a minute each even
+tiny: here their timer is replaced by one that composes every command's overrides with Hydra instead of running it,
+so a renamed key or group fails here. The sweeps themselves run in tests/e2e/test_sweeps.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ddptrain.bench import data_prep, samplers, startup, sweep, throughput, throughput_memory
+from tests.conftest import QWEN2_TOKENIZER, REPO, compose_config, requires_shared
+
+pytestmark = pytest.mark.e2e
+
+TINY_TOKENIZER = REPO / "ddptrain" / "assets" / "tiny_tokenizer"
+TINY_DATA = REPO / "ddptrain" / "assets" / "tiny_instruct.jsonl"
+ROWS = 24
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> Path:
+    """The first ROWS rows of the bundled Alpaca-style data."""
+    path = tmp_path_factory.mktemp("bench") / "rows.jsonl"
+    path.write_text("".join(TINY_DATA.read_text().splitlines(keepends=True)[:ROWS]))
+    return path
+
+
+def table_rows(output: str) -> list[list[str]]:
+    """The body rows of the markdown table in ``output``."""
+    lines = [line for line in output.splitlines() if line.startswith("| ") and not line.startswith("|---")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_data_prep_times_both_workloads(rows, capsys) -> None:
+    data_prep.main(["--data", str(rows), "--tokenizer", str(TINY_TOKENIZER), "--num-proc", "1", "--max-length", "64"])
+    table = {row[0]: row for row in table_rows(capsys.readouterr().out)}
+    assert set(table) == {"alpaca", f"mixture x{data_prep.COPIES}"}, table
+    alpaca, mixture = int(table["alpaca"][1]), int(table[f"mixture x{data_prep.COPIES}"][1])
+    assert 0 < alpaca <= ROWS and mixture == data_prep.COPIES * alpaca, table  # 4 copies of the same rows
+
+
+def test_samplers_plans_every_sampler_over_the_epoch(rows, capsys) -> None:
+    argv = ["--data", str(rows), "--tokenizer", str(TINY_TOKENIZER), "--world-size", "2", "--micro-batch-size", "2"]
+    samplers.main([*argv, "--max-length", "64", "--json"])
+    results = {r["sampler"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    ours = [r for name, r in results.items() if name.startswith("ddptrain ")]
+    assert len(results) == 7 and len(ours) == 4, sorted(results)
+    assert all(r["duplicated"] == 0 for r in ours), ours
+    budgeted = [r for name, r in results.items() if "token_budget" in name or "packed" in name]
+    assert len(budgeted) == 2 and all(r["dropped"] == 0 for r in budgeted), budgeted
+
+
+@requires_shared
+def test_throughput_runs_each_way_of_training(tmp_path, monkeypatch, capsys) -> None:
+    """ddptrain, the transformers Trainer and the hand-written loop, 1 warm-up and 1 measured step each."""
+    real_overrides = throughput.base_overrides
+    monkeypatch.setattr(
+        throughput, "base_overrides", lambda *a: [*real_overrides(*a), "parallel.start_method=forkserver"]
+    )
+    variants = "ddptrain:packed,hf:group_by_length,hand:token_budget"
+    throughput.main(
+        [
+            *("--data", str(TINY_DATA), "--tokenizer", str(QWEN2_TOKENIZER), "--rows", "8", "--max-length", "64"),
+            *("--steps", "1", "--warmup", "1", "--micro-batch-size", "1", "--nproc", "1", "--variants", variants),
+            "--json",
+            *("--workdir", str(tmp_path)),
+        ]
+    )
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert sorted(results) == sorted(variants.split(",")), results
+    for name, result in results.items():
+        assert result["real_tokens"] > 0 and result["tokens_per_s"] > 0, (name, result)
+        assert len(result["peak_rss_mb"]) == 1, (name, result)  # the rank reported
+
+
+@requires_shared
+def test_throughput_memory_measures_both_scopes(tmp_path, monkeypatch, capsys) -> None:
+    """The first of the four measurements runs as the benchmark runs it, in a fresh process; the other three run
+    the same measurement in this one (a fresh process costs seconds of imports on 2 cores)."""
+    real_measure, spawned = throughput_memory.measure, []
+
+    def measure(args, model_dir, checkpointing, scope):
+        if not spawned:
+            spawned.append(scope)
+            return real_measure(args, model_dir, checkpointing, scope)
+        fields = ("data", "tokenizer", "micro_batch_size", "memory_length", "seed", "loss_chunk_tokens")
+        child_args = {name: getattr(args, name) for name in fields}
+        return throughput_memory.child(
+            argparse.Namespace(**child_args, model_dir=model_dir, checkpointing=checkpointing, scope=scope)
+        )
+
+    monkeypatch.setattr(throughput_memory, "measure", measure)
+    throughput.main(
+        [
+            *("--memory", "--data", str(TINY_DATA), "--tokenizer", str(QWEN2_TOKENIZER), "--micro-batch-size", "1"),
+            *("--memory-length", "64", "--loss-chunk-tokens", "32", "--workdir", str(tmp_path), "--json"),
+        ]
+    )
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    measured = sorted((r["scope"], r["checkpointing"]) for r in runs)
+    assert measured == [("decoder", False), ("decoder", True), ("loss", False), ("loss", True)], runs
+    assert all(r["activation_peak_mb"] > 0 and r["seconds"] > 0 for r in runs), runs
+    assert spawned == ["loss"], spawned
+
+
+def composes(command: list[str]) -> float:
+    """Stands in for the benchmarks' timer: the command's overrides compose (a sweep's first value), 1 s."""
+    overrides = command[command.index("ddptrain") + 1 :]
+    assert overrides[0] == "-m", command  # a multirun
+    kept = [o for o in overrides[1:] if not o.startswith("hydra")]
+    compose_config([re.sub(r"=([^,]*),.*", r"=\1", o) for o in kept])
+    return 1.0
+
+
+@pytest.mark.parametrize("bench", [startup, sweep], ids=["startup", "sweep"])
+def test_the_sweep_benchmarks_build_commands_that_compose(bench, monkeypatch, capsys) -> None:
+    timed = []
+    monkeypatch.setattr(bench, "timed", lambda command: timed.append(command) or composes(command))
+    bench.main(["--repeats", "1", "--steps", "1"])
+    table = table_rows(capsys.readouterr().out)
+    assert len(timed) == (4 if bench is startup else 2) and len(table) == 2, (timed, table)
