@@ -1,8 +1,9 @@
 """The run diagnosis on 2 gloo ranks, against slowdowns the test injects (tests/distributed/workers_diagnose.py).
 
-Each injected delay must land in its own time column (within 20% of what was injected), the end-of-run
-report must name the right verdict and levers, and its prediction for more accumulation must match a
-measured run. The figures come from the product's timers; the injected seconds are the test's own.
+Each injected delay must land in its own time column (within INJECTED_REL of what was injected), the step time
+must be the wall time between optimizer steps by the test's own clock, the end-of-run report must name the right
+verdict and levers, and its predictions for more accumulation must match measured runs, compute- and
+communication-bound. The figures come from the product's timers; the injected seconds and the clock are the test's.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ BASE = [
 ]
 STEPS = "trainer.max_steps=16"
 # Full packed rows: every micro-batch holds the same number of tokens, so compute per micro-batch is the
-# same at any accumulation and the prediction is judged on what it models, not on which rows came up.
-PACKED = ["data.batching=packed", "data.max_tokens_per_batch=1024"]
+# same at any accumulation and the prediction is judged on what it models, not on which rows came up. Short rows
+# keep compute per micro-batch well under DELAY_S: the communication-bound run then gains about 2x from 4x the
+# accumulation, the compute-bound one little, so that no fixed gain passes both (1024-token rows gave 1.5x).
+PACKED = ["data.batching=packed", "data.max_tokens_per_batch=256", "data.max_length=256"]
 SCENARIOS = {
     # name: (overrides, injection)
     # 2 epochs of 9 steps: memory every epoch; rank 1 holds extra memory from step 3 on.
@@ -42,7 +45,16 @@ SCENARIOS = {
     "straggler": ([STEPS], "slow_rank_one"),
     "comm": ([STEPS, *PACKED], "slow_all_reduce"),
     "comm_accum4": ([STEPS, *PACKED, "optim.grad_accum_steps=4"], "slow_all_reduce"),
+    # The same two without the slow all-reduce: compute-bound, where 4x the accumulation gains little.
+    "compute": ([STEPS, *PACKED], "none"),
+    "compute_accum4": ([STEPS, *PACKED, "optim.grad_accum_steps=4"], "none"),
 }
+# How far a time column may be from the delay injected into it. A delay booked in another column shows as 0 there,
+# one booked twice as 2x: 40% tells both apart, and leaves room for a loaded 2-core machine (at 20% the straggler
+# case once passed 15 ms inside its bound).
+INJECTED_REL = 0.4
+# How far the predicted tokens/s of 4x the accumulation may be from the measured run.
+PREDICTED_REL = 0.25
 
 
 TIMED = [name for name in SCENARIOS if name != "untimed"]
@@ -95,7 +107,7 @@ def test_a_plain_run_is_compute_bound(runs) -> None:
 
 def test_a_slow_loader_is_diagnosed_as_data_and_shows_in_the_data_column(runs) -> None:
     added = steady(runs / "data", "time_data_s") - steady(runs / "plain", "time_data_s")
-    assert_close(added, DELAY_S, 0.2, "time_data_s added by a loader sleeping per micro-batch")
+    assert_close(added, DELAY_S, INJECTED_REL, "time_data_s added by a loader sleeping per micro-batch")
     assert report(runs / "data")["verdict"] == "data"
     assert "data.num_workers" in lever_keys(runs / "data")
 
@@ -103,10 +115,10 @@ def test_a_slow_loader_is_diagnosed_as_data_and_shows_in_the_data_column(runs) -
 def test_a_slow_rank_is_a_straggler_named_by_its_rank(runs) -> None:
     slow = steady_by_rank(runs / "straggler", 1, "time_compute_s")
     fast = steady_by_rank(runs / "straggler", 0, "time_compute_s")
-    assert_close(slow - fast, DELAY_S, 0.2, "rank 1's compute time over rank 0's")
+    assert_close(slow - fast, DELAY_S, INJECTED_REL, "rank 1's compute time over rank 0's")
     # Rank 0 waits for rank 1 in the all-reduce: that wait is communication, not work.
     waited = steady_by_rank(runs / "straggler", 0, "time_comm_s") - steady_by_rank(runs / "plain", 0, "time_comm_s")
-    assert_close(waited, DELAY_S, 0.2, "rank 0's exposed communication")
+    assert_close(waited, DELAY_S, INJECTED_REL, "rank 0's exposed communication")
     diagnosis = report(runs / "straggler")
     assert diagnosis["verdict"] == "straggler", diagnosis
     assert diagnosis["summary"]["slowest_rank"] == 1
@@ -115,30 +127,44 @@ def test_a_slow_rank_is_a_straggler_named_by_its_rank(runs) -> None:
 
 def test_slow_communication_is_diagnosed_and_shows_in_the_comm_column(runs) -> None:
     added = steady(runs / "comm", "time_comm_s") - steady(runs / "plain", "time_comm_s")
-    assert_close(added, DELAY_S, 0.2, "time_comm_s added by a comm hook sleeping once per step")
+    assert_close(added, DELAY_S, INJECTED_REL, "time_comm_s added by a comm hook sleeping once per step")
     assert report(runs / "comm")["verdict"] == "communication"
     assert {"optim.grad_accum_steps", "parallel.comm_hook"} <= set(lever_keys(runs / "comm"))
 
 
-def test_the_predicted_effect_of_more_accumulation_matches_a_measured_run(runs) -> None:
-    levers = report(runs / "comm")["levers"]
-    accum = next(lever for lever in levers if lever["key"] == "optim.grad_accum_steps" and str(lever["value"]) == "4")
-    measured = steady(runs / "comm_accum4", "tokens_per_s")
-    predicted = accum["predicted_tokens_per_s"]
-    columns = {c: round(steady(runs / "comm_accum4", c), 4) for c in ("step_time_s", "time_compute_s", "time_comm_s")}
-    why = f"predicted {predicted:.0f} tokens/s from {report(runs / 'comm')['summary'].get('split')}, measured "
-    assert abs(predicted - measured) <= 0.25 * measured, f"{why}{measured:.0f} with {columns}"
+def predicted_tokens_per_s(run_dir: Path, change: str) -> float:
+    (prediction,) = [p for p in report(run_dir)["predictions"] if p["change"] == change]
+    return prediction["tokens_per_s"]
 
 
-def test_the_step_time_is_the_wall_time_between_log_lines(runs) -> None:
-    """Held to the rank-0 stopwatch that stamps each record (elapsed_s), not to the step clock's own marks:
-    between two log lines there is nothing but steps and the logging itself (no eval, no checkpoint)."""
+def test_the_predicted_gain_of_more_accumulation_matches_measured_runs_compute_and_communication_bound(runs) -> None:
+    """From a compute-bound run and a communication-bound one, each report predicts the tokens/s of 4x the
+    accumulation; each is held to a run measured at 4x. The two gain so differently that no fixed gain is within
+    PREDICTED_REL of both (checked here): the prediction must come from the run's own time split."""
+    gains = {}
+    for base in ("compute", "comm"):
+        predicted = predicted_tokens_per_s(runs / base, "optim.grad_accum_steps=4")
+        measured = steady(runs / f"{base}_accum4", "tokens_per_s")
+        gains[base] = measured / steady(runs / base, "tokens_per_s")
+        split = {c: round(steady(runs / base, c), 4) for c in ("step_time_s", "time_compute_s", "time_comm_s")}
+        why = f"{base}: predicted {predicted:.0f} tokens/s from {split}, measured {measured:.0f} at 4x"
+        assert abs(predicted - measured) <= PREDICTED_REL * measured, why
+    print(f"measured gains of 4x the accumulation: {gains}")
+    assert gains["comm"] / gains["compute"] > (1 + PREDICTED_REL) / (1 - PREDICTED_REL), f"measured gains {gains}"
+
+
+def test_the_step_time_is_the_wall_time_between_optimizer_steps_on_every_rank(runs) -> None:
+    """Held to when each optimizer step ended by the test's own clock (a hook on the optimizer, outside the
+    product's step clock), window by window after the first: the logged step time leaves out only the logging
+    between the windows (no eval, no checkpoint)."""
     for name in TIMED:
-        records = train_records(runs / name)
-        for before, record in itertools.pairwise(records):
-            wall = record["elapsed_s"] - before["elapsed_s"]
-            timed = record["step_time_s"] * record["window_steps"]
-            assert 0.9 * wall <= timed <= 1.02 * wall, (name, record["step"], timed, wall)
+        ends = [json.loads((runs / name / f"step_ends{rank}.json").read_text()) for rank in (0, 1)]
+        for before, record in itertools.pairwise(train_records(runs / name)):
+            for rank, figures in enumerate(record["by_rank"]):
+                wall = ends[rank][record["step"] - 1] - ends[rank][before["step"] - 1]
+                timed = figures["step_time_s"] * record["window_steps"]
+                assert 0.9 * wall <= timed <= 1.02 * wall, (name, record["step"], rank, timed, wall)
+                assert min(figures[f"time_{c}_s"] for c in ("data", "compute", "comm", "optimizer", "other")) >= 0
 
 
 def test_logged_flops_are_the_flops_of_the_batches_each_rank_trained_on(runs) -> None:
@@ -163,15 +189,6 @@ def test_timing_off_logs_no_time_split_and_trains_the_same(runs) -> None:
     assert report(runs / "untimed")["verdict"] is None
     same_run = train_records(runs / "data")  # the same config; its loader only slept
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in same_run], rel=1e-6)
-
-
-def test_the_time_columns_add_up_to_the_step_time_on_every_rank(runs) -> None:
-    for name in TIMED:
-        for record in train_records(runs / name):
-            for rank in record["by_rank"]:
-                columns = sum(rank[f"time_{c}_s"] for c in ("data", "compute", "comm", "optimizer", "other"))
-                assert abs(columns - rank["step_time_s"]) <= 0.05 * rank["step_time_s"], (name, rank)
-                assert min(rank[f"time_{c}_s"] for c in ("data", "compute", "comm", "optimizer", "other")) >= 0
 
 
 def test_memory_peaks_are_logged_for_every_rank_in_every_epoch(runs) -> None:

@@ -60,7 +60,7 @@ def _slow_all_reduce(trainer: Trainer, rank: int) -> Callable[[], None]:
     """The gradient all-reduce takes DELAY_S longer once per optimizer step (at the step's last bucket): half
     while the hook launches it (the autograd thread waits), half before it completes (backward waits for it at
     its end). Both halves are exposed communication, booked by different paths of the step clock."""
-    count, average = parallel._count_bucket, parallel._average_async
+    count, average = parallel.ddp._count_bucket, parallel.ddp._average_async
     last_bucket: list[bool] = []
 
     def slow_count(counter: parallel.CommCounter, bucket: Any) -> None:
@@ -80,10 +80,10 @@ def _slow_all_reduce(trainer: Trainer, rank: int) -> Callable[[], None]:
 
         return future.then(late)
 
-    parallel._count_bucket, parallel._average_async = slow_count, slow_average
+    parallel.ddp._count_bucket, parallel.ddp._average_async = slow_count, slow_average
 
     def restore() -> None:
-        parallel._count_bucket, parallel._average_async = count, average
+        parallel.ddp._count_bucket, parallel.ddp._average_async = count, average
 
     return restore
 
@@ -124,6 +124,17 @@ def _record_flops(trainer: Trainer, run_dir: Path, rank: int) -> None:
     trainer.train_step = counting_step
 
 
+def _record_step_ends(trainer: Trainer, run_dir: Path, rank: int) -> None:
+    """When each optimizer step ended on this rank, by the test's own clock (not the product's step clock)."""
+    ends: list[float] = []
+
+    def stamp(*_: Any) -> None:
+        ends.append(time.perf_counter())
+        (run_dir / f"step_ends{rank}.json").write_text(json.dumps(ends))
+
+    trainer.optimizer.register_step_post_hook(stamp)
+
+
 def train_scenarios(cfg: Any, run_dir: str, store_port: int) -> None:
     """Train each ``(name, run config, injection)`` of ``<run_dir>/scenarios.pkl`` into ``<run_dir>/<name>``."""
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
@@ -139,6 +150,7 @@ def train_scenarios(cfg: Any, run_dir: str, store_port: int) -> None:
             trainer = Trainer(scenario_cfg, env, scenario_dir)
             restore = INJECTIONS[injection](trainer, env.rank)
             _record_flops(trainer, scenario_dir, env.rank)
+            _record_step_ends(trainer, scenario_dir, env.rank)
             try:
                 trainer.fit()
             finally:
