@@ -61,9 +61,10 @@ def test_profile_steps_write_a_trace_holding_the_forward_and_backward_of_those_s
 
 
 def test_every_run_ends_with_a_report_and_a_verdict_on_the_console(profiled_run) -> None:
+    """The default tiny job on 2 CPU ranks spends its steps in forward and backward: its verdict is compute."""
     run_dir, result = profiled_run
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["verdict"] in {"compute", "communication", "data", "imbalance", "straggler", "memory"}
+    assert report["verdict"] == "compute", report
     assert "verdict" in (run_dir / "report.md").read_text().lower()
     assert f"Run report ({run_dir}/report.md): {report['verdict']}" in result.stderr, result.stderr[-3000:]
     # The report comes after training is over, before the last word.
