@@ -49,6 +49,12 @@ def training_interval(job: Path) -> tuple[datetime, datetime]:
     return stamp(start), stamp(end)
 
 
+def logged_interval(job: Path) -> tuple[datetime, datetime]:
+    """From the first to the last time-stamped line of the job's train.log."""
+    stamps = [stamp(line) for line in (job / "train.log").read_text().splitlines() if line[:2] == "20"]
+    return stamps[0], stamps[-1]
+
+
 def cores_of(job: Path) -> str:
     """The cores rank 0 of the job ran on, as its train.log says; checks it ran one thread per core it had."""
     (line,) = [line for line in (job / "train.log").read_text().splitlines() if "rank 0 of " in line]
@@ -110,8 +116,12 @@ def test_a_parallel_sweep_of_ddp_jobs_survives_a_failed_job_and_reports_every_jo
         output = (job / "output.log").read_text()
         assert ("ValueError" in output) == (i == 2), output[-2000:]
         assert (job / "adapter").is_dir() == (i != 2), "every other job finished"
-    ports = [re.search(r"store on 127\.0\.0\.1:(\d+)", (j / "output.log").read_text()).group(1) for j in jobs]
-    assert ports[0] != ports[1], f"jobs 0 and 1 ran at the same time, each on its own port: {ports}"
+    # Jobs 0 and 1 ran at the same time (hydra.launcher.jobs=2): from its first log line to its last, by each rank 0's
+    # own train.log. Their 6 steps are too short to overlap reliably on a loaded machine; their whole runs are not.
+    (a_start, a_end), (b_start, b_end) = (logged_interval(j) for j in jobs[:2])
+    assert a_start < b_end and b_start < a_end, (
+        f"jobs 0 and 1 ran one after another: {a_start}-{a_end}, {b_start}-{b_end}"
+    )
 
     with (sweep / "report.csv").open() as f:
         table = list(csv.DictReader(f))
