@@ -9,9 +9,12 @@ so a renamed key or group fails here. The sweeps themselves run in tests/e2e/tes
 
 from __future__ import annotations
 
-import argparse
+import contextlib
+import io
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,21 +87,22 @@ def test_throughput_runs_each_way_of_training(tmp_path, monkeypatch, capsys) -> 
 
 @requires_shared
 def test_throughput_memory_measures_both_scopes(tmp_path, monkeypatch, capsys) -> None:
-    """The first of the four measurements runs as the benchmark runs it, in a fresh process; the other three run
-    the same measurement in this one (a fresh process costs seconds of imports on 2 cores)."""
-    real_measure, spawned = throughput_memory.measure, []
+    """Each of the four measurements runs the command the benchmark builds for it, ``python -m
+    ddptrain.bench.throughput_memory --child ...``, through that module's own entry point, in this process: a fresh
+    process would cost seconds of imports each on 2 cores, and a smoke test needs no clean heap."""
+    children, real_run = [], subprocess.run
 
-    def measure(args, model_dir, checkpointing, scope):
-        if not spawned:
-            spawned.append(scope)
-            return real_measure(args, model_dir, checkpointing, scope)
-        fields = ("data", "tokenizer", "micro_batch_size", "memory_length", "seed", "loss_chunk_tokens")
-        child_args = {name: getattr(args, name) for name in fields}
-        return throughput_memory.child(
-            argparse.Namespace(**child_args, model_dir=model_dir, checkpointing=checkpointing, scope=scope)
-        )
+    def run_child_here(command, **kwargs):
+        if command[:4] != [sys.executable, "-m", "ddptrain.bench.throughput_memory", "--child"]:
+            return real_run(command, **kwargs)
+        children.append(command)
+        out = io.StringIO()
+        with monkeypatch.context() as patch, contextlib.redirect_stdout(out):
+            patch.setattr(sys, "argv", command[2:])
+            throughput_memory._child_main()
+        return subprocess.CompletedProcess(command, 0, stdout=out.getvalue(), stderr="")
 
-    monkeypatch.setattr(throughput_memory, "measure", measure)
+    monkeypatch.setattr(throughput_memory.subprocess, "run", run_child_here)
     throughput.main(
         [
             *("--memory", "--data", str(TINY_DATA), "--tokenizer", str(QWEN2_TOKENIZER), "--micro-batch-size", "1"),
@@ -109,7 +113,7 @@ def test_throughput_memory_measures_both_scopes(tmp_path, monkeypatch, capsys) -
     measured = sorted((r["scope"], r["checkpointing"]) for r in runs)
     assert measured == [("decoder", False), ("decoder", True), ("loss", False), ("loss", True)], runs
     assert all(r["activation_peak_mb"] > 0 and r["seconds"] > 0 for r in runs), runs
-    assert spawned == ["loss"], spawned
+    assert len(children) == 4, children
 
 
 def composes(command: list[str]) -> float:
