@@ -29,7 +29,7 @@ def free_the_model_while_gloo_needs_the_gil(cfg: RunConfig, run_dir: str, store_
     model = parallel.wrap_model(nn.Linear(4, 4), cfg.parallel, env)
     model(torch.ones(2, 4)).sum().backward()
     parallel.teardown()
-    kept = len(parallel._left_groups)
+    kept = len(parallel.group._left_groups)
     group = model.process_group
     ready, done = Path(run_dir) / "rank1-frees-the-model", []
     if env.rank == 0:

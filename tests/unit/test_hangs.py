@@ -368,7 +368,7 @@ def test_a_host_waiting_for_its_device_reports_that_step_and_times_out_with_a_fa
     from ddptrain import parallel
 
     timeout_s = 2.0  # the watchdog writes the phase file within its 1 s poll: before the wait ends
-    monkeypatch.setattr(parallel, "_timeout_s", timeout_s)
+    monkeypatch.setattr(parallel.collectives, "_timeout_s", timeout_s)
     late = parallel.LateRead(torch.tensor(0.0), step=3)
     late.copied = DeviceNeverDone()
     started = time.monotonic()
