@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -51,6 +52,13 @@ class DType(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
+
+
+class Precision(str, Enum):
+    auto = "auto"  # bf16 autocast on a CUDA device that supports it, else fp32 (resolve_precision)
+    fp32 = "fp32"  # no autocast
+    bf16 = "bf16"  # bf16 autocast
+    fp16 = "fp16"  # fp16 autocast with a GradScaler
 
 
 class Attention(str, Enum):
@@ -347,8 +355,14 @@ class TrainerConfig:
     max_steps: Optional[int] = None
     """Optimizer steps to run; null = run trainer.epochs full epochs."""
     epochs: int = 1
-    precision: DType = DType.fp32
-    """Autocast dtype: bf16, or fp16 with a GradScaler; fp32 = no autocast."""
+    precision: Precision = Precision.auto
+    """The forward pass's autocast dtype. auto: bf16 on a CUDA device that supports it (Ampere and newer), fp32
+    (no autocast) on CPU and older GPUs; the run log and config.yaml show what it became. bf16; fp16 (autocast
+    with a GradScaler; needed by model.dtype=fp16); fp32 = no autocast, matmuls in the weights' dtype."""
+    tf32: bool = True
+    """fp32 matmuls and convolutions on a CUDA GPU that has TF32 tensor cores (Ampere and newer) run in TF32
+    (torch.backends.cuda.matmul.fp32_precision="tf32"): ~8x the fp32 peak, 10-bit mantissa inputs, fp32
+    accumulation. false = IEEE fp32 matmuls. No effect on CPU."""
     device: Device = Device.auto
     seed: int = 42
     log_every_n_steps: int = 10
@@ -358,6 +372,10 @@ class TrainerConfig:
     """0 = save only at the end."""
     keep_last_n: int = 3
     """Checkpoints kept under <run>/checkpoints (older ones are deleted)."""
+    save_timeout_s: int = 3600
+    """How long the other ranks wait for rank 0 to write a checkpoint or the final weights. They wait through the
+    store, not in a collective, so a save may outlast parallel.timeout_s (tens of GB on network storage); a save
+    that fails ends every rank at once, with rank 0's error."""
     resume: str = "auto"
     """auto: continue from this run directory's newest checkpoint, if any; none; or a checkpoint/run folder."""
     save_final: bool = True
@@ -371,7 +389,8 @@ class TrainerConfig:
     """Measure where each step's time goes (data, compute, exposed communication, optimizer), FLOP/s and
     memory per rank, and write the diagnosis (report.md) at the end. false: tokens/s and loss only."""
     peak_tflops: Optional[float] = None
-    """The device's dense peak TFLOP/s for trainer.precision (for mfu); null = looked up from the GPU's name.
+    """The device's dense peak TFLOP/s (for mfu); null = looked up from the GPU's name for the dtype the matmuls run
+    in: the autocast dtype (trainer.precision), else model.dtype (TF32's peak for fp32 with trainer.tf32=true).
     On CPU mfu stays null unless this is set."""
     profile_steps: Optional[list[int]] = None
     """[START, END]: a torch.profiler trace of optimizer steps START..END (1-based, inclusive) under
@@ -445,20 +464,83 @@ def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainerConfig) -> list[st
         )
     if m.attn_implementation == Attention.flash_attention_2:
         problems += _check_flash_attention(m, t)
-    if m.dtype == DType.fp16 and not m.lora:
-        problems.append(
-            "model.dtype=fp16 with model.lora=false trains fp16 weights, which GradScaler cannot unscale: "
-            "use model.dtype=fp32 (with trainer.precision=fp16) or model.lora=true."
-        )
     if not 0.0 <= m.lora_dropout < 1.0:
         problems.append(f"model.lora_dropout={m.lora_dropout} must be in [0, 1).")
-    return problems
+    return problems + _check_precision(m, t) + _check_compile(m, p, t)
+
+
+def _check_precision(m: ModelConfig, t: TrainerConfig) -> list[str]:
+    """Weights whose dtype the run cannot train correctly: low-precision trainable weights, fp16 without a scaler."""
+    if m.dtype != DType.fp32 and not m.lora:
+        # AdamW steps the weights in their own dtype: an update of 1e-5 on a bf16 weight of 0.02 (8 bits of
+        # mantissa) rounds to nothing, and GradScaler refuses to unscale fp16 gradients.
+        scaler = ", and GradScaler cannot unscale fp16 gradients" if m.dtype == DType.fp16 else ""
+        return [
+            f"model.dtype={m.dtype.value} with model.lora=false makes the optimizer update {m.dtype.value} weights: "
+            f"small updates round to nothing and the model silently stops learning{scaler}. Train fp32 weights under "
+            "autocast: model.dtype=fp32 trainer.precision=bf16 (or auto on a bf16 GPU), or keep model.lora=true."
+        ]
+    if m.dtype == DType.fp16 and t.precision != Precision.fp16:
+        # Without fp16 autocast there is no GradScaler: backward runs through fp16 activations unscaled, and
+        # gradients divided by the token count fall into fp16's subnormal range.
+        return [
+            f"model.dtype=fp16 needs trainer.precision=fp16 (autocast with a GradScaler), but trainer.precision="
+            f"{t.precision.value}: set trainer.precision=fp16, or use model.dtype=bf16 on a GPU that has bf16."
+        ]
+    return []
+
+
+# torch.compile of a DDP model with gradient checkpointing fails in DDPOptimizer ("Found a higher order op in the
+# graph") before torch 2.6, which fixed it.
+COMPILE_CHECKPOINTING_MIN_TORCH = (2, 6)
+
+
+def _check_compile(m: ModelConfig, p: ParallelConfig, t: TrainerConfig) -> list[str]:
+    if not (t.compile and m.gradient_checkpointing and p.nproc_per_node != 1):
+        return []
+    version = installed_torch_version()
+    if version is None or version >= COMPILE_CHECKPOINTING_MIN_TORCH:
+        return []
+    found = ".".join(map(str, version))
+    return [
+        f"trainer.compile=true with model.gradient_checkpointing=true under DDP crashes on torch {found} "
+        '("DDPOptimizer backend: Found a higher order op in the graph", fixed in torch 2.6): upgrade torch to '
+        "2.6 or newer, or set trainer.compile=false, or model.gradient_checkpointing=false."
+    ]
+
+
+def installed_torch_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed torch, read from its package metadata: importing torch takes seconds."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = re.match(r"(\d+)\.(\d+)", version("torch"))
+    except PackageNotFoundError:
+        return None
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def resolve_precision(precision: Precision, device_type: str, bf16_supported: bool) -> DType:
+    """What ``trainer.precision`` means on this device: ``auto`` becomes bf16 on a CUDA device that supports it
+    and fp32 elsewhere (CPU autocast gains nothing over fp32 matmuls on most CPUs); explicit values stand.
+
+    Args:
+        precision: ``trainer.precision``.
+        device_type: this rank's device type ("cuda" or "cpu").
+        bf16_supported: whether the device runs bf16 natively (``torch.cuda.is_bf16_supported``).
+
+    Returns:
+        The autocast dtype to train with (fp32: no autocast).
+    """
+    if precision != Precision.auto:
+        return DType(precision.value)
+    return DType.bf16 if device_type == "cuda" and bf16_supported else DType.fp32
 
 
 def _check_flash_attention(m: ModelConfig, t: TrainerConfig) -> list[str]:
     """flash-attn's kernels take fp16/bf16 tensors on a CUDA device only."""
     problems = []
-    if m.dtype == DType.fp32 and t.precision == DType.fp32:
+    if m.dtype == DType.fp32 and t.precision == Precision.fp32:
         problems.append(
             "model.attn_implementation=flash_attention_2 needs fp16/bf16 activations, but model.dtype=fp32 "
             "and trainer.precision=fp32: set trainer.precision=bf16 (or model.dtype=bf16), "
@@ -640,6 +722,7 @@ def _check_optim(o: OptimConfig, d: DataConfig) -> list[str]:
 def _check_trainer(t: TrainerConfig) -> list[str]:
     problems = _positive({"trainer.max_steps": t.max_steps, "trainer.epochs": t.epochs})
     problems += _positive({"trainer.log_every_n_steps": t.log_every_n_steps, "trainer.keep_last_n": t.keep_last_n})
+    problems += _positive({"trainer.save_timeout_s": t.save_timeout_s})
     if t.resume not in ("auto", "none") and not os.path.exists(os.path.expanduser(t.resume)):
         problems.append(
             f"trainer.resume={t.resume}: no such folder. Use auto, none, or a run / checkpoints/step-N folder."

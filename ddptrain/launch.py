@@ -499,6 +499,7 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
 
     from ddptrain import parallel
     from ddptrain.metrics import build_console, setup_logging
+    from ddptrain.model import settle_precision
     from ddptrain.trainer import Trainer
 
     start = start or Start.from_environ()
@@ -511,6 +512,7 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
         hang_dir = agreed / hangs.HANG_DIR
         os.environ.update(hangs.flight_recorder_environment(os.environ, torch.__version__, hang_dir))  # read at a dump
         setup_logging(env.rank, agreed)
+        cfg = replace(cfg, trainer=settle_precision(cfg.trainer, env.device))  # trainer.precision=auto: the choice
         console = build_console(env.is_rank_zero)
         console.write_file(agreed / "config.yaml", to_yaml(cfg))
         log.info(

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ddptrain import checkpoint, parallel, profiling, signals, timing
+from ddptrain import checkpoint, model, parallel, profiling, signals, timing
 from ddptrain.config import DType, RunConfig, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
-from ddptrain.flops import build_model_flops, peak_tflops
+from ddptrain.flops import build_model_flops, matmul_dtype, peak_tflops
 from ddptrain.metrics import StepResult, Stopwatch, Window, build_metrics_logger, build_progress_bar
 from ddptrain.model import autocast, batch_to_device, build_model, build_tokenizer, wants_varlen_lengths
 from ddptrain.optim import build_optimizer, build_scheduler, clip_gradients
@@ -52,6 +52,7 @@ class Trainer:
             flash_varlen=wants_varlen_lengths(cfg.model),
         )
         self.sampler, self.loader = self.data.sampler, self.data.loader
+        model.warn_about_attention_cost(cfg.model.attn_implementation, env.device, self.sampler.row_lengths())
         self.comm = parallel.CommCounter()
         self.clock = timing.build_clock(cfg.trainer.timing, env.device, self.comm)  # before DDP: it times the hook
         self.clock.enter("wrap_model")  # a collective (the replicas' checksum): a hang here says so
@@ -63,11 +64,12 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.loss_module)
         self.total_steps = cfg.trainer.max_steps or self.data.steps_per_epochs(cfg.trainer.epochs)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
-        self.autocast = partial(autocast, cfg.trainer.precision, env.device)
-        self.scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.trainer.precision == DType.fp16)
+        precision = model.autocast_dtype(cfg.trainer, env.device)  # trainer.precision=auto resolved on this device
+        self.autocast = partial(autocast, precision, env.device)
+        self.scaler = torch.amp.GradScaler(env.device.type, enabled=precision == DType.fp16)
         self.window = Window()
         self.flops = build_model_flops(self.loss_module, enabled=cfg.trainer.timing)
-        self.peak_tflops = peak_tflops(env.device, cfg.trainer.precision, cfg.trainer.peak_tflops)
+        self.peak_tflops = peak_tflops(env.device, matmul_dtype(precision, cfg.model.dtype), cfg.trainer.peak_tflops)
         self.profiler = profiling.build_profiler(cfg.trainer, env, run_dir, self.clock)
         self.metrics = build_metrics_logger(env.is_rank_zero, run_dir, cfg.logger, config_as_dict(cfg))
         shared = {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
