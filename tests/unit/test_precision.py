@@ -126,14 +126,14 @@ COMPILED_CHECKPOINTING = ["trainer.compile=true", "model.gradient_checkpointing=
 
 
 def test_compile_with_checkpointing_under_ddp_is_refused_on_torch_before_2_6(monkeypatch) -> None:
-    monkeypatch.setattr(config, "installed_torch_version", lambda: (2, 5))
+    monkeypatch.setattr(config.checks, "installed_torch_version", lambda: (2, 5))
     (problem,) = problems(COMPILED_CHECKPOINTING)
     assert problem.startswith(
         "trainer.compile=true with model.gradient_checkpointing=true under DDP crashes on torch 2.5"
     )
     assert "upgrade torch to 2.6 or newer, or set trainer.compile=false" in problem
     assert compose_config([*COMPILED_CHECKPOINTING, "parallel=single"]).trainer.compile  # no DDP, no DDPOptimizer
-    monkeypatch.setattr(config, "installed_torch_version", lambda: (2, 6))
+    monkeypatch.setattr(config.checks, "installed_torch_version", lambda: (2, 6))
     assert compose_config(COMPILED_CHECKPOINTING).trainer.compile
 
 
