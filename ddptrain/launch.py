@@ -499,7 +499,7 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
 
     from ddptrain import parallel
     from ddptrain.metrics import build_console, setup_logging
-    from ddptrain.model import settle_precision
+    from ddptrain.precision import settle_precision
     from ddptrain.trainer import Trainer
 
     start = start or Start.from_environ()

@@ -21,9 +21,10 @@ from ddptrain.config import DType, RunConfig, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
 from ddptrain.flops import build_model_flops, matmul_dtype, peak_tflops
 from ddptrain.metrics import StepResult, Stopwatch, Window, build_metrics_logger, build_progress_bar
-from ddptrain.model import autocast, batch_to_device, build_model, build_tokenizer, wants_varlen_lengths
+from ddptrain.model import batch_to_device, build_model, build_tokenizer, wants_varlen_lengths
 from ddptrain.optim import build_optimizer, build_scheduler, clip_gradients
 from ddptrain.parallel import DistEnv
+from ddptrain.precision import autocast, autocast_dtype
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class Trainer:
         self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer)
         checkpoint.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
         self.data: TrainingData = build_training_data(
-            cfg,
+            cfg.data,
             self.tokenizer,
             env,
             seed=cfg.trainer.seed,
@@ -64,7 +65,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.loss_module)
         self.total_steps = cfg.trainer.max_steps or self.data.steps_per_epochs(cfg.trainer.epochs)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
-        precision = model.autocast_dtype(cfg.trainer, env.device)  # trainer.precision=auto resolved on this device
+        precision = autocast_dtype(cfg.trainer, env.device)  # trainer.precision=auto resolved on this device
         self.autocast = partial(autocast, precision, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=precision == DType.fp16)
         self.window = Window()

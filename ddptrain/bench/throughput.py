@@ -174,8 +174,8 @@ def token_budget(cfg, nproc: int) -> tuple[int, dict[str, float]]:
 
     from ddptrain.config import Batching
     from ddptrain.data import build_datasets
+    from ddptrain.data.plan import BatchingSpec, micro_batch_cost, plan_epoch
     from ddptrain.model import build_tokenizer
-    from ddptrain.sampler import BatchingSpec, micro_batch_cost, plan_epoch
 
     data = build_datasets(cfg.data, build_tokenizer(cfg.model), cfg.trainer.seed)
     lengths = np.asarray(data.train["length"])

@@ -157,8 +157,8 @@ def _hand_loop(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddptrain.data import RowsDataset, build_batching_spec, build_collator
+    from ddptrain.data.sampler import DistributedBatchSampler
     from ddptrain.model import CausalLMLoss
-    from ddptrain.sampler import DistributedBatchSampler
 
     device = _device()
     _init_group(device, store_port)
