@@ -16,15 +16,19 @@ from typing import Any
 
 import torch
 
-from ddptrain import checkpoint, model, parallel, profiling, signals, timing
+from ddptrain import checkpoint, model, parallel
 from ddptrain.config import DType, RunConfig, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
-from ddptrain.flops import build_model_flops, matmul_dtype, peak_tflops
-from ddptrain.metrics import StepResult, Stopwatch, Window, build_metrics_logger, build_progress_bar
 from ddptrain.model import batch_to_device, build_model, build_tokenizer, wants_varlen_lengths
+from ddptrain.observe import profiling, timing
+from ddptrain.observe.console import build_progress_bar
+from ddptrain.observe.flops import build_model_flops, matmul_dtype, peak_tflops
+from ddptrain.observe.metrics import build_metrics_logger
+from ddptrain.observe.window import StepResult, Stopwatch, Window
 from ddptrain.optim import build_optimizer, build_scheduler, clip_gradients
 from ddptrain.parallel import DistEnv
 from ddptrain.precision import autocast, autocast_dtype
+from ddptrain.process import signals
 
 log = logging.getLogger(__name__)
 

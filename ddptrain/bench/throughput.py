@@ -319,9 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     if not cuda:
         os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank; 2 ranks on 2 cores
     peak = args.peak_tflops
-    if cuda and peak is None:  # the product's table of dense peaks (ddptrain/flops.py)
+    if cuda and peak is None:  # the product's table of dense peaks (ddptrain/observe/flops.py)
         from ddptrain.config import DType
-        from ddptrain.flops import lookup_peak_tflops
+        from ddptrain.observe.flops import lookup_peak_tflops
 
         peak = lookup_peak_tflops(torch.cuda.get_device_name(0), DType(args.precision))
     variants = [Variant.parse(v.strip()) for v in args.variants.split(",") if v.strip()]

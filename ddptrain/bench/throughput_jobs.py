@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ddptrain.config import Precision, RunConfig
-from ddptrain.started import Start
+from ddptrain.process.started import Start
 
 
 def run_job(cfg: RunConfig, run_dir: str, store_port: int | None) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def _ddptrain(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict) 
     between (logging, metrics, sampler bookkeeping) is inside the measurement.
     """
     from ddptrain import parallel
-    from ddptrain.metrics import setup_logging
+    from ddptrain.observe.console import setup_logging
     from ddptrain.trainer import Trainer
 
     warmup, total = job["warmup"], job["warmup"] + job["steps"]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import datasets
 import torch
 
-from ddptrain import hangs, parallel, signals
+from ddptrain import parallel
 from ddptrain.config import DataConfig
 from ddptrain.data.batch_cost import ceil_div
 from ddptrain.data.collate import Collator, RowsDataset, build_collator
@@ -28,6 +28,7 @@ from ddptrain.data.mixture import build_datasets
 from ddptrain.data.plan import BatchingSpec
 from ddptrain.data.sampler import DistributedBatchSampler
 from ddptrain.parallel import DistEnv
+from ddptrain.process import hangs, signals
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

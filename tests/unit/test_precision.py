@@ -11,9 +11,10 @@ import logging
 import pytest
 import torch
 
-from ddptrain import config, flops, parallel
+from ddptrain import config, parallel
 from ddptrain.config import ConfigError, DType, Precision, TrainerConfig, resolve_precision
 from ddptrain.model import attention_cost_warning, dense_attention_overhead
+from ddptrain.observe import flops
 from ddptrain.precision import settle_precision
 from tests.conftest import compose_config
 
