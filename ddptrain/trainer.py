@@ -96,7 +96,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way. The data position
         lives in the sampler: a resumed run continues mid-epoch where the checkpoint left off. SIGTERM (pre-emption)
-        or a first Ctrl-C saves a checkpoint at the next step boundary and returns (``ddptrain.signals``).
+        or a first Ctrl-C saves a checkpoint at the next step boundary and returns (``ddptrain.process.signals``).
 
         Returns:
             The last logged metrics record (identical on every rank); after a stop by signal it
@@ -143,7 +143,7 @@ class Trainer:
         world_size / N; DDP then averages over ranks (÷ world_size), which leaves exactly Σ/N whatever the split
         into ranks and micro-steps. The same all-reduce carries the stop request (SIGTERM, Ctrl-C): every rank
         learns of it at the same step, at no cost. Nothing here waits for the device. Gradients live until the
-        next step. ``self.clock`` marks each phase (``ddptrain.timing``).
+        next step. ``self.clock`` marks each phase (``ddptrain.observe.timing``).
         """
         self.clock.enter("to_device", self.step + 1)
         # Counted on the CPU copies: no wait on the device.
