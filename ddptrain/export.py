@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 
 from ddptrain import checkpoint
 from ddptrain.config import ModelInit, RunConfig, register_configs
-from ddptrain.metrics import quiet_libraries
 from ddptrain.model import TORCH_DTYPES, build_tokenizer, point_adapter_at_base
+from ddptrain.observe.console import quiet_libraries
 
 
 def locate(source: Path) -> tuple[Path, Path]:

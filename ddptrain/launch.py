@@ -2,7 +2,7 @@
 
 ``python -m ddptrain`` passes its command line through ``hydra_argv`` before Hydra composes the
 config, then hands the validated config to ``run``, which dispatches on how the process was
-started (``started.Start``):
+started (``process.started.Start``):
 
 - torchrun: this process is one rank. ``run`` checks that torchrun started
   ``parallel.nproc_per_node`` processes, finds the run folder (rank 0's Hydra folder, or after a
@@ -12,7 +12,7 @@ started (``started.Start``):
   stays bound from the moment the port is chosen), runs the elastic rendezvous over a file store
   (so nothing else listens), and starts ``nproc_per_node`` copies of ``worker``.
 
-Stopping by signal (``ddptrain/signals.py``): the launcher passes SIGTERM and Ctrl-C on to its
+Stopping by signal (``ddptrain/process/signals.py``): the launcher passes SIGTERM and Ctrl-C on to its
 workers and keeps collecting their results; each worker saves a checkpoint and returns, and
 ``run`` prints where the checkpoint is and exits with the code for it.
 
@@ -22,22 +22,18 @@ Nothing here imports torch at module level: a bad config fails before torch load
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
 import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddptrain import forkserver, hangs, signals
 from ddptrain.config import (
     ConfigError,
     RunConfig,
@@ -46,11 +42,21 @@ from ddptrain.config import (
     to_run_config,
     to_yaml,
 )
-from ddptrain.started import Start
-from ddptrain.sweep.devices import compact_ranges, visible_cpus
+from ddptrain.process import forkserver, hangs, signals
+from ddptrain.process.cpus import compact_ranges, visible_cpus
+from ddptrain.process.self_launch import (
+    ELASTIC_SIGNALS_ENV,
+    bind_store_socket,
+    killed_by,
+    launch_config,
+    scoped_environ,
+    worker_environment,
+)
+from ddptrain.process.started import Start
 
-if TYPE_CHECKING:  # metrics loads torch: only once the config is valid (see `run`)
-    from ddptrain.metrics import Console, NullConsole
+if TYPE_CHECKING:
+    from ddptrain.observe.console import Console, NullConsole
+    from ddptrain.observe.run_files import NullRunFiles, RunFiles
     from ddptrain.parallel import DistEnv
 
 log = logging.getLogger(__name__)
@@ -145,7 +151,8 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
         _meet_at(start)
     signals.start_resource_tracker_deaf_to_preemption()
     cfg = _with_global_batch_size(cfg, start.world_size if start.elastic else cfg.parallel.nproc_per_node or 1)
-    from ddptrain.metrics import FORMAT, build_console
+    from ddptrain.observe.console import FORMAT, build_console
+    from ddptrain.observe.run_files import build_run_files
 
     # This process's log until the worker sets up its own (the launcher's lines, start-up warnings).
     logging.basicConfig(level=logging.INFO, format=FORMAT)
@@ -159,7 +166,7 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
     if start.scheduler:  # every task of the job runs in the one folder the sweep gave the job
         result = worker(cfg, str(run_dir), None, start)
     elif start.elastic:
-        start, run_dir = _torchrun_round(cfg, hydra_dir, start, console)
+        start, run_dir = _torchrun_round(cfg, hydra_dir, start, build_run_files(start.is_rank_zero))
         result = worker(cfg, str(run_dir), None, start)
     elif (cfg.parallel.nproc_per_node or 1) == 1:
         result = worker(cfg, str(run_dir), None, start)
@@ -203,7 +210,7 @@ def _check_torchrun_size(nproc_per_node: int | None, start: Start) -> None:
 
 
 def _torchrun_round(
-    cfg: RunConfig, hydra_dir: Path, start: Start, console: Console | NullConsole
+    cfg: RunConfig, hydra_dir: Path, start: Start, files: RunFiles | NullRunFiles
 ) -> tuple[Start, Path]:
     """This rank's start with the job's round as its attempt, and the run folder, both kept across
     ``--max-restarts`` restarts on every node (``parallel.torchrun_round``; ``_torchrun_run_dir`` where
@@ -214,7 +221,7 @@ def _torchrun_round(
     found = parallel.torchrun_round(start.rank, start.world_size, hydra_dir, timeout)
     if found is None:
         _refuse_restarts_across_nodes_without_a_shared_store(start, os.environ)
-        return start, _torchrun_run_dir(hydra_dir, Path(cfg.trainer.output_dir), start, console)
+        return start, _torchrun_run_dir(hydra_dir, Path(cfg.trainer.output_dir), start, files)
     round_, run_dir = found
     if run_dir != hydra_dir and start.makes_run_folder:
         _remove_unused_hydra_folder(hydra_dir)
@@ -277,7 +284,7 @@ def _remove_unused_hydra_folder(hydra_dir: Path) -> None:
         log.info("removed %s: this restart continues in the first round's run folder", hydra_dir)
 
 
-def _torchrun_run_dir(hydra_dir: Path, output_dir: Path, start: Start, console: Console | NullConsole) -> Path:
+def _torchrun_run_dir(hydra_dir: Path, output_dir: Path, start: Start, files: RunFiles | NullRunFiles) -> Path:
     """The run directory under torchrun, kept across ``--max-restarts`` restarts.
 
     A restarted group must find its own checkpoints (trainer.resume=auto), but Hydra would
@@ -290,7 +297,7 @@ def _torchrun_run_dir(hydra_dir: Path, output_dir: Path, start: Start, console: 
     marker = output_dir / ".torchrun" / start.run_id
     if start.restart_count > 0 and marker.is_file():
         return Path(marker.read_text().strip())
-    console.write_file(marker, f"{hydra_dir}\n")
+    files.write_file(marker, f"{hydra_dir}\n")  # rank 0 writes it
     return hydra_dir
 
 
@@ -319,42 +326,6 @@ def _exit_if_stopped(
         sys.exit(signals.STOPPED_EXIT_CODE)
 
 
-def bind_store_socket(port: int) -> socket.socket:
-    """A listening socket on 127.0.0.1:port (0 = any free port), held until the store owns it.
-
-    Raises:
-        RuntimeError: the port is taken, naming the fix.
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno != errno.EADDRINUSE:
-            raise
-        raise RuntimeError(
-            f"MASTER_PORT={port} is already in use on 127.0.0.1 (another job?). Unset MASTER_PORT and "
-            "ddptrain picks a free port itself, or export MASTER_PORT=<a free port>."
-        ) from None
-    sock.listen(128)
-    return sock
-
-
-def _worker_environment(nproc: int) -> dict[str, str]:
-    """Variables the workers inherit; user settings win."""
-    env = {
-        # Share the rendezvous' store with nobody: workers use the launcher's loopback store.
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        # Keep gloo's and NCCL's own bootstrap sockets on loopback for a single-node job.
-        "GLOO_SOCKET_IFNAME": "lo",
-        "NCCL_SOCKET_IFNAME": "lo",
-        # Like torchrun: one thread per rank unless told otherwise, or N ranks fight over cores.
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    return {k: v for k, v in env.items() if k not in os.environ}
-
-
 def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None = None) -> Any:
     """Run ``entrypoint(cfg, run_dir, store_port)`` on parallel.nproc_per_node local processes.
 
@@ -372,83 +343,45 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
         signals.Aborted: a second Ctrl-C; the workers were killed.
     """
     import torch.distributed as dist
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     nproc = cfg.parallel.nproc_per_node or 1
     sock = bind_store_socket(int(os.environ.get("MASTER_PORT", 0)))
     port = sock.getsockname()[1]
-    store = dist.TCPStore(  # noqa: F841  (kept alive: the workers' rendezvous point)
+    # The store owns the listening socket from here on and closes it when it goes: the socket object lets go of
+    # it (closed by both, the number could already belong to another file when the store closes it again).
+    store = dist.TCPStore(  # the workers' rendezvous point, until the launch ends
         "127.0.0.1",
         port,
         is_master=True,
-        master_listen_fd=sock.fileno(),
+        master_listen_fd=sock.detach(),
         wait_for_workers=False,
         timeout=timedelta(seconds=cfg.parallel.timeout_s),
     )
-    # For the workers only, removed again below: this process may go on to launch other jobs (a sweep in one
-    # process, a test session), and torchrun started from it must not inherit TORCH_DISABLE_SHARE_RDZV_TCP_STORE.
-    added = {**_worker_environment(nproc), signals.SELF_LAUNCHED_ENV: "1"}  # the last: Ctrl-C is this launcher's
-    # elastic_launch itself leaves its signals there (a later torchrun would then leave SIGTERM and SIGINT alone).
-    restored = {name: os.environ.get(name) for name in (*added, _ELASTIC_SIGNALS_ENV)}
-    os.environ.update(added)
-    rdzv_dir = Path(tempfile.mkdtemp(prefix="ddptrain-rdzv-"))
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint=str(rdzv_dir / "store"),
-        rdzv_configs={"store_type": "file"},
-        max_restarts=cfg.parallel.max_restarts,
-        monitor_interval=0.2,
-        start_method=cfg.parallel.start_method.value,
-        logs_specs=DefaultLogsSpecs(log_dir=str(rdzv_dir / "logs")),  # removed with rdzv_dir
-        **_leave_stop_signals_to_us(LaunchConfig),
-    )
-    target, args = entrypoint or worker, (cfg, str(run_dir), port)
-    log.info("starting %d workers (store on 127.0.0.1:%d), run directory %s", nproc, port, run_dir)
-    try:
-        if cfg.parallel.start_method == StartMethod.forkserver:
-            forkserver.start()
-            target, args = forkserver.run_forked, (forkserver.LauncherState(), target, *args)
-        with signals.forward_to_workers() as stop:
-            try:
-                results = elastic_launch(config, target)(*args)
-            except ChildFailedError as exc:
-                if _killed_by(exc, stop.signal):  # during start-up, before the workers handle signals
-                    return {signals.STOPPED_BY: stop.signal.name, signals.STOPPED_AT_STEP: None}
-                raise RuntimeError(_failure_summary(exc, run_dir / hangs.HANG_DIR, nproc)) from None
-    finally:
-        for name, value in restored.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        shutil.rmtree(rdzv_dir, ignore_errors=True)
-        sock.close()
+    # For the workers only, restored when the launch ends. elastic_launch itself leaves its signals in
+    # ELASTIC_SIGNALS_ENV (a later torchrun would then leave SIGTERM and SIGINT alone): restored too.
+    added = {**worker_environment(nproc), signals.SELF_LAUNCHED_ENV: "1"}  # the last: Ctrl-C is this launcher's
+    with scoped_environ(added, also_restore=(ELASTIC_SIGNALS_ENV,)):
+        rdzv_dir = Path(tempfile.mkdtemp(prefix="ddptrain-rdzv-"))
+        config = launch_config(cfg.parallel, nproc, rdzv_dir)
+        target, args = entrypoint or worker, (cfg, str(run_dir), port)
+        log.info("starting %d workers (store on 127.0.0.1:%d), run directory %s", nproc, port, run_dir)
+        try:
+            if cfg.parallel.start_method == StartMethod.forkserver:
+                forkserver.start()
+                target, args = forkserver.run_forked, (forkserver.LauncherState(), target, *args)
+            with signals.forward_to_workers() as stop:
+                try:
+                    results = elastic_launch(config, target)(*args)
+                except ChildFailedError as exc:
+                    if killed_by(exc, stop.signal):  # during start-up, before the workers handle signals
+                        return {signals.STOPPED_BY: stop.signal.name, signals.STOPPED_AT_STEP: None}
+                    raise RuntimeError(_failure_summary(exc, run_dir / hangs.HANG_DIR, nproc)) from None
+        finally:
+            shutil.rmtree(rdzv_dir, ignore_errors=True)
+            del store  # the port is free now, also when a failure's traceback keeps this frame alive
     return results[0]
-
-
-_ELASTIC_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
-
-
-def _leave_stop_signals_to_us(launch_config: type) -> dict[str, str]:
-    """Keep elastic's agent off SIGTERM and SIGINT: signals.forward_to_workers handles them.
-
-    The agent would raise SignalException, stop collecting the workers' results and SIGKILL them
-    30 s later. Torch releases before ``LaunchConfig.signals_to_handle`` always take them over.
-    """
-    if "signals_to_handle" not in getattr(launch_config, "__dataclass_fields__", {}):
-        return {}
-    return {"signals_to_handle": "SIGHUP,SIGQUIT"}
-
-
-def _killed_by(exc: Any, signum: int | None) -> bool:
-    """Whether every failed worker died of the signal the launcher forwarded."""
-    return signum is not None and all(f.exitcode == -signum for f in exc.failures.values())
 
 
 def _failure_summary(exc: Any, hang_dir: Path, nproc: int) -> str:
@@ -498,8 +431,9 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
     import torch
 
     from ddptrain import parallel
-    from ddptrain.metrics import build_console, setup_logging
-    from ddptrain.model import settle_precision
+    from ddptrain.observe.console import build_console, setup_logging
+    from ddptrain.observe.run_files import build_run_files
+    from ddptrain.precision import settle_precision
     from ddptrain.trainer import Trainer
 
     start = start or Start.from_environ()
@@ -514,7 +448,7 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
         setup_logging(env.rank, agreed)
         cfg = replace(cfg, trainer=settle_precision(cfg.trainer, env.device))  # trainer.precision=auto: the choice
         console = build_console(env.is_rank_zero)
-        console.write_file(agreed / "config.yaml", to_yaml(cfg))
+        build_run_files(env.is_rank_zero).write_file(agreed / "config.yaml", to_yaml(cfg))
         log.info(
             "rank %d of %d on %s (%s), %d thread(s) on cores %s",
             *(env.rank, env.world_size, env.device, env.backend, torch.get_num_threads(), _cores()),

@@ -16,14 +16,19 @@ from typing import Any
 
 import torch
 
-from ddptrain import checkpoint, model, parallel, profiling, signals, timing
+from ddptrain import checkpoint, model, parallel
 from ddptrain.config import DType, RunConfig, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
-from ddptrain.flops import build_model_flops, matmul_dtype, peak_tflops
-from ddptrain.metrics import StepResult, Stopwatch, Window, build_metrics_logger, build_progress_bar
-from ddptrain.model import autocast, batch_to_device, build_model, build_tokenizer, wants_varlen_lengths
+from ddptrain.model import batch_to_device, build_model, build_tokenizer, wants_varlen_lengths
+from ddptrain.observe import profiling, timing
+from ddptrain.observe.console import build_progress_bar
+from ddptrain.observe.flops import build_model_flops, matmul_dtype, peak_tflops
+from ddptrain.observe.metrics import build_metrics_logger
+from ddptrain.observe.window import StepResult, Stopwatch, Window
 from ddptrain.optim import build_optimizer, build_scheduler, clip_gradients
 from ddptrain.parallel import DistEnv
+from ddptrain.precision import autocast, autocast_dtype
+from ddptrain.process import signals
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +49,7 @@ class Trainer:
         self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer)
         checkpoint.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
         self.data: TrainingData = build_training_data(
-            cfg,
+            cfg.data,
             self.tokenizer,
             env,
             seed=cfg.trainer.seed,
@@ -64,7 +69,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, self.loss_module)
         self.total_steps = cfg.trainer.max_steps or self.data.steps_per_epochs(cfg.trainer.epochs)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
-        precision = model.autocast_dtype(cfg.trainer, env.device)  # trainer.precision=auto resolved on this device
+        precision = autocast_dtype(cfg.trainer, env.device)  # trainer.precision=auto resolved on this device
         self.autocast = partial(autocast, precision, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=precision == DType.fp16)
         self.window = Window()
@@ -92,7 +97,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way. The data position
         lives in the sampler: a resumed run continues mid-epoch where the checkpoint left off. SIGTERM (pre-emption)
-        or a first Ctrl-C saves a checkpoint at the next step boundary and returns (``ddptrain.signals``).
+        or a first Ctrl-C saves a checkpoint at the next step boundary and returns (``ddptrain.process.signals``).
 
         Returns:
             The last logged metrics record (identical on every rank); after a stop by signal it
@@ -138,7 +143,7 @@ class Trainer:
         world_size / N; DDP then averages over ranks (÷ world_size), which leaves exactly Σ/N whatever the split
         into ranks and micro-steps. The same all-reduce carries the stop request (SIGTERM, Ctrl-C): every rank
         learns of it at the same step, at no cost. Nothing here waits for the device. Gradients live until the
-        next step. ``self.clock`` marks each phase (``ddptrain.timing``).
+        next step. ``self.clock`` marks each phase (``ddptrain.observe.timing``).
         """
         self.clock.enter("to_device", self.step + 1)
         # Counted on the CPU copies: no wait on the device.

@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from ddptrain.config import Batching
-from ddptrain.sampler import BatchingSpec, plan_epoch, round_up
-from ddptrain.templates import format_alpaca
+from ddptrain.data.batch_cost import round_up
+from ddptrain.data.plan import BatchingSpec, plan_epoch
+from ddptrain.data.templates import format_alpaca
 
 Plan = list[list[list[list[int]]]]  # plan[step][rank] = rows, each row a list of sample indices
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ddptrain.sweep.devices import visible_cpus
+from ddptrain.process.cpus import visible_cpus
 
 REPO = Path(__file__).resolve().parents[2]
 

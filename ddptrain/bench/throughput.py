@@ -174,8 +174,8 @@ def token_budget(cfg, nproc: int) -> tuple[int, dict[str, float]]:
 
     from ddptrain.config import Batching
     from ddptrain.data import build_datasets
+    from ddptrain.data.plan import BatchingSpec, micro_batch_cost, plan_epoch
     from ddptrain.model import build_tokenizer
-    from ddptrain.sampler import BatchingSpec, micro_batch_cost, plan_epoch
 
     data = build_datasets(cfg.data, build_tokenizer(cfg.model), cfg.trainer.seed)
     lengths = np.asarray(data.train["length"])
@@ -319,9 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     if not cuda:
         os.environ["OMP_NUM_THREADS"] = "1"  # one core per rank; 2 ranks on 2 cores
     peak = args.peak_tflops
-    if cuda and peak is None:  # the product's table of dense peaks (ddptrain/flops.py)
+    if cuda and peak is None:  # the product's table of dense peaks (ddptrain/observe/flops.py)
         from ddptrain.config import DType
-        from ddptrain.flops import lookup_peak_tflops
+        from ddptrain.observe.flops import lookup_peak_tflops
 
         peak = lookup_peak_tflops(torch.cuda.get_device_name(0), DType(args.precision))
     variants = [Variant.parse(v.strip()) for v in args.variants.split(",") if v.strip()]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ddptrain.config import Precision, RunConfig
-from ddptrain.started import Start
+from ddptrain.process.started import Start
 
 
 def run_job(cfg: RunConfig, run_dir: str, store_port: int | None) -> dict[str, Any]:
@@ -57,7 +57,7 @@ def _ddptrain(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict) 
     between (logging, metrics, sampler bookkeeping) is inside the measurement.
     """
     from ddptrain import parallel
-    from ddptrain.metrics import setup_logging
+    from ddptrain.observe.console import setup_logging
     from ddptrain.trainer import Trainer
 
     warmup, total = job["warmup"], job["warmup"] + job["steps"]
@@ -157,8 +157,8 @@ def _hand_loop(cfg: RunConfig, run_dir: Path, store_port: int | None, job: dict)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ddptrain.data import RowsDataset, build_batching_spec, build_collator
+    from ddptrain.data.sampler import DistributedBatchSampler
     from ddptrain.model import CausalLMLoss
-    from ddptrain.sampler import DistributedBatchSampler
 
     device = _device()
     _init_group(device, store_port)

@@ -103,11 +103,7 @@ def what_if(
         raise ValueError(f"parallel.nproc_per_node={nproc_per_node} must be 1 or more.")
     if split is None:
         raise DiagnoseError("the what-if needs the measured time split: rerun with trainer.timing=true.")
-    grad_bytes = grad_bytes or s.get("allreduce_bytes_per_step")
-    if not grad_bytes:
-        raise DiagnoseError(
-            "the run logged no allreduce_bytes_per_step (one process?): pass --grad-mb, the trainable gradients' MiB."
-        )
+    grad_bytes = _gradient_bytes(s, grad_bytes)
     buckets = max(round(s.get("allreduce_calls_per_step") or 1), 1)
     sizes = sorted({1, s["world_size"], nproc_per_node} | {2**i for i in range(1, 12) if 2**i < nproc_per_node})
     rows = [_scale_row(split, s, n, chosen, grad_bytes, buckets) for n in sizes]
@@ -129,6 +125,20 @@ def what_if(
     }
     result["explanation"] = _explain(result, s)
     return result
+
+
+def _gradient_bytes(summary: dict, given: float | None) -> float:
+    """Gradient bytes per rank per step: ``given``, else what the run logged.
+
+    Raises:
+        DiagnoseError: neither (a one-process run logs none), naming the flag to pass.
+    """
+    grad_bytes = given or summary.get("allreduce_bytes_per_step")
+    if not grad_bytes:
+        raise DiagnoseError(
+            "the run logged no allreduce_bytes_per_step (one process?): pass --grad-mb, the trainable gradients' MiB."
+        )
+    return grad_bytes
 
 
 def resolve_link(name: str, bus_gb_s: float | None, latency_us: float | None) -> Link:

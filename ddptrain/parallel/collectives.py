@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain import hangs
 from ddptrain.config import ParallelConfig
+from ddptrain.process import hangs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain.config import Backend, Device, ParallelConfig
 from ddptrain.parallel.collectives import bind as bind_collectives
-from ddptrain.started import Start
+from ddptrain.process.started import Start
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ddptrain.started import Start
+from ddptrain.process.started import Start
 
 log = logging.getLogger(__name__)
 

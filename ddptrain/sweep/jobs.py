@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ddptrain import signals
-from ddptrain.started import Start
+from ddptrain.process import signals
+from ddptrain.process.started import Start
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,9 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from ddptrain import signals
-from ddptrain.sweep.devices import DevicePool, Slice, default_jobs, visible_cpus, visible_gpus
+from ddptrain.process import signals
+from ddptrain.process.cpus import visible_cpus
+from ddptrain.sweep.devices import DevicePool, Slice, default_jobs, visible_gpus
 from ddptrain.sweep.jobs import JobFailed, read_record
 
 log = logging.getLogger(__name__)

@@ -238,7 +238,7 @@ def test_only_rank_zero_writes_in_the_run_directory(tmp_path, rank1_writes) -> N
         [
             "parallel=ddp2",
             # Spawned: unshare() needs a single-threaded process, and a forked rank runs a thread that watches
-            # its launcher (ddptrain/forkserver.py).
+            # its launcher (ddptrain/process/forkserver.py).
             "parallel.start_method=spawn",
             *COMMON,
             "trainer.max_steps=4",

@@ -4,7 +4,10 @@ that checkpoint exactly, and a write that fails on rank 0 still ends both ranks 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -28,6 +31,14 @@ ARGS = [
     "trainer.progress_bar=false",
     f"parallel.timeout_s={TIMEOUT_S}",
 ]
+
+
+def is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -62,3 +73,15 @@ def test_a_save_longer_than_the_collective_timeout_finishes_resumes_and_a_failed
     assert f"trainer.resume={resumed_dir}" in rank1, "the error says how to resume"
     print(f"held {held['held_s']:.1f} s past parallel.timeout_s={TIMEOUT_S}; failed run ended in {ended_s:.1f} s")
     print(str(failed.value))
+
+    # The failure's traceback (in ``failed``) kept launch's frame alive. Files opened now take the lowest free
+    # numbers, as a process's next files do; when that frame goes, nothing of the launch may close one of them
+    # (its store once closed its listening socket's number a second time: pytest's own output was lost).
+    files = [open(os.devnull) for _ in range(32)]  # noqa: SIM115  (closed below)
+    del failed
+    gc.collect()
+    closed = [f.fileno() for f in files if not is_open(f.fileno())]
+    for f in files:
+        with contextlib.suppress(OSError):
+            f.close()
+    assert not closed, f"the failed launch closed file descriptors it did not own: {closed}"

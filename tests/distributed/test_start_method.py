@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain import forkserver
 from ddptrain.launch import launch
+from ddptrain.process import forkserver
 from tests.conftest import REPO, compose_config
 from tests.distributed.workers import report_how_this_rank_started
 

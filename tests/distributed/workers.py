@@ -14,7 +14,7 @@ import torch
 
 from ddptrain import parallel
 from ddptrain.config import RunConfig
-from ddptrain.metrics import setup_logging
+from ddptrain.observe.console import setup_logging
 from ddptrain.trainer import Trainer
 
 PROBE_TEXT = "### Instruction:\nGive three tips for staying healthy.\n\n### Response:\n1. Eat well."

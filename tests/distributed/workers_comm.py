@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ddptrain import parallel
 from ddptrain.config import RunConfig
-from ddptrain.metrics import setup_logging
+from ddptrain.observe.console import setup_logging
 from ddptrain.trainer import Trainer
 
 

@@ -18,8 +18,8 @@ import torch
 
 from ddptrain import parallel
 from ddptrain.config import to_yaml
-from ddptrain.flops import ModelFlops
-from ddptrain.metrics import setup_logging
+from ddptrain.observe.console import setup_logging
+from ddptrain.observe.flops import ModelFlops
 from ddptrain.trainer import Trainer
 
 DELAY_S = 0.15  # injected per micro-batch (loader, slow rank) or per optimizer step (communication)

@@ -11,7 +11,7 @@ from pathlib import Path
 from ddptrain import parallel
 from ddptrain.config import RunConfig
 from ddptrain.data import RowsDataset
-from ddptrain.metrics import setup_logging
+from ddptrain.observe.console import setup_logging
 from ddptrain.trainer import Trainer
 
 

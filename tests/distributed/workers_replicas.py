@@ -10,7 +10,7 @@ import torch
 from ddptrain import parallel
 from ddptrain import trainer as trainer_module
 from ddptrain.config import RunConfig
-from ddptrain.metrics import setup_logging
+from ddptrain.observe.console import setup_logging
 
 
 def train_with_rank1_frozen_weight_changed(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.e2e
 TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
 METRIC_FIELDS = {"step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"}
 BATCH_FIELDS = {"padding_fraction", "rank_imbalance", "peak_rank_tokens"}
-# What rank 1 may print (metrics.setup_logging): "[rank1] HH:MM:SS WARNING logger: message", or ERROR.
+# What rank 1 may print (observe.console.setup_logging): "[rank1] HH:MM:SS WARNING logger: message", or ERROR.
 RANK1_WARNING = re.compile(r"^\[rank1\] \d\d:\d\d:\d\d (WARNING|ERROR|CRITICAL) ")
 
 

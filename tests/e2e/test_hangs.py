@@ -40,7 +40,7 @@ STALL_SHIM = textwrap.dedent(
     import os
     import time
 
-    from ddptrain import hangs
+    from ddptrain.process import hangs
 
     _enter = hangs.PhaseBoard.enter
 

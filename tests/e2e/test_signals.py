@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from ddptrain.signals import ABORTED_EXIT_CODE, REPEAT_WINDOW_S, STOPPED_EXIT_CODE
+from ddptrain.process.signals import ABORTED_EXIT_CODE, REPEAT_WINDOW_S, STOPPED_EXIT_CODE
 from tests.conftest import (
     REPO,
     RUN_TAG,

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from ddptrain.config import DataConfig, Template
-from ddptrain.data import RowEncoder, tokenize_file
-from ddptrain.model import IGNORE_INDEX, build_tokenizer
-from ddptrain.templates import RowError
+from ddptrain.data import IGNORE_INDEX, RowEncoder, tokenize_file
+from ddptrain.data.templates import RowError
+from ddptrain.model import build_tokenizer
 from tests.conftest import QWEN2_TOKENIZER, compose_config, requires_shared, skip_or_fail
 
 LLAMA3 = (

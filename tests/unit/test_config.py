@@ -107,7 +107,7 @@ def cuda_visible(monkeypatch: pytest.MonkeyPatch, available: bool) -> list[bool]
         asked.append(available)
         return available
 
-    monkeypatch.setattr(config, "_cuda_available", fake)
+    monkeypatch.setattr(config.checks, "_cuda_available", fake)
     return asked
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ddptrain.config import DataConfig, Template
-from ddptrain.data import Collator, RowEncoder, RowsDataset, build_datasets, load_rows, tokenize_file
-from ddptrain.model import IGNORE_INDEX, build_tokenizer
-from ddptrain.templates import alpaca_prompt
+from ddptrain.data import IGNORE_INDEX, Collator, RowEncoder, RowsDataset, build_datasets, load_rows, tokenize_file
+from ddptrain.data.templates import alpaca_prompt
+from ddptrain.model import build_tokenizer
 from tests.conftest import compose_config
 
 ROWS = [

@@ -18,7 +18,7 @@ import pytest
 
 from ddptrain.config import ASSETS_DIR, ConfigError
 from ddptrain.data import load_rows, tokenize_file
-from ddptrain.templates import alpaca_prompt
+from ddptrain.data.templates import alpaca_prompt
 from tests.conftest import compose_config, read_metrics, run_ddptrain, run_dirs
 from tests.unit import test_data
 from tests.unit.test_data import ROWS, data_cfg, ids, write_jsonl

@@ -22,8 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ddptrain.config import Attention, Batching, DataConfig, DType, ModelConfig
 from ddptrain.data import RowEncoder, build_collator
-from ddptrain.flops import ModelFlops, lookup_peak_tflops, peak_tflops
 from ddptrain.model import CausalLMLoss, build_model, build_tokenizer
+from ddptrain.observe.flops import ModelFlops, lookup_peak_tflops, peak_tflops
 from tests.conftest import compose_config
 from tests.unit.test_model import CPU, TINY_INSTRUCT, one_thread  # noqa: F401  (one_thread: autouse fixture)
 

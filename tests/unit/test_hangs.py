@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain import hangs
-from ddptrain.hangs import Phase
+from ddptrain.process import hangs
+from ddptrain.process.hangs import Phase
 
 GLOO_TIMEOUT = "[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms for recv operation to complete"
 # NCCL needs a GPU: its watchdog's text as torch's ProcessGroupNCCL.cpp writes it (checkTimeout).

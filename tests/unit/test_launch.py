@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ddptrain import launch
-from ddptrain.started import Start
+from ddptrain.process.started import Start
 
 TORCHRUN_RANK1 = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
 ARGV = ["ddptrain", "trainer.max_steps=1"]
@@ -49,27 +49,27 @@ def test_a_sweep_under_torchrun_is_refused_naming_the_command_to_run() -> None:
 
 
 def test_a_restarted_torchrun_group_goes_back_to_the_first_attempts_run_folder(tmp_path) -> None:
-    from ddptrain.metrics import build_console
+    from ddptrain.observe.run_files import build_run_files
 
     out = tmp_path / "outputs"
     first, second = tmp_path / "first", tmp_path / "second"
     rank1 = Start(True, rank=1, local_rank=1, world_size=2, local_world_size=2, run_id="job7")
-    assert launch._torchrun_run_dir(first, out, rank1, build_console(rank1.is_rank_zero)) == first
+    assert launch._torchrun_run_dir(first, out, rank1, build_run_files(rank1.is_rank_zero)) == first
     assert not (out / ".torchrun" / "job7").exists(), "only rank 0 leaves the marker"
     rank0 = Start(True, world_size=2, local_world_size=2, run_id="job7")
-    assert launch._torchrun_run_dir(first, out, rank0, build_console(rank0.is_rank_zero)) == first
+    assert launch._torchrun_run_dir(first, out, rank0, build_run_files(rank0.is_rank_zero)) == first
     restarted = Start(True, world_size=2, local_world_size=2, restart_count=1, run_id="job7")
-    assert launch._torchrun_run_dir(second, out, restarted, build_console(True)) == first
+    assert launch._torchrun_run_dir(second, out, restarted, build_run_files(True)) == first
     other_job = Start(True, world_size=2, local_world_size=2, restart_count=1, run_id="job8")
-    assert launch._torchrun_run_dir(second, out, other_job, build_console(True)) == second
+    assert launch._torchrun_run_dir(second, out, other_job, build_run_files(True)) == second
 
 
 @pytest.mark.parametrize("elastic", [False, True], ids=["self-launched", "torchrun"])
 def test_a_stopped_run_says_where_its_checkpoint_is_and_exits_75_unless_under_torchrun(
     tmp_path, capsys, elastic
 ) -> None:
-    from ddptrain import signals
-    from ddptrain.metrics import build_console
+    from ddptrain.observe.console import build_console
+    from ddptrain.process import signals
 
     start = Start(elastic)
     launch._exit_if_stopped({"loss": 1.0}, tmp_path, start, build_console(True))

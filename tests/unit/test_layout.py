@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ddptrain"
@@ -161,3 +163,112 @@ def test_every_name_parallel_offers_has_a_caller_in_the_package() -> None:
     used_inside = words.findall(source)
     unused = [name for name in offered if name not in used_elsewhere and used_inside.count(name) == 1]
     assert offered and not unused, f"defined in ddptrain/parallel/, called nowhere: {unused}"
+
+
+# ----------------------------------------------------------------------------- sizes (issue 22)
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 60
+# Modules still over MAX_MODULE_LINES, each with the reason it may be for now. Remove an entry when its module is
+# split (the rule then says so).
+OVERSIZED_FOR_NOW = {
+    "ddptrain/checkpoint.py": "its compatibility reads move to one place with the format version (issue 22)",
+}
+
+
+def package_sources() -> dict[str, str]:
+    """Every module of the package but the benchmarks (``bench/``: one command per benchmark, sized as it needs)."""
+    return {
+        str(path.relative_to(PACKAGE.parent)): path.read_text()
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "bench" not in path.relative_to(PACKAGE).parts
+    }
+
+
+def oversized_module(source: str, limit: int = MAX_MODULE_LINES) -> int | None:
+    """The module's line count when it is over ``limit``, else None."""
+    lines = len(source.splitlines())
+    return lines if lines > limit else None
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """``(name, lines)`` of each function or method longer than ``limit`` lines, ``def`` to its last line."""
+    return [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_no_module_is_over_500_lines() -> None:
+    """STYLE.md: a module is one job, small enough to read at once."""
+    found = {name: n for name, source in package_sources().items() if (n := oversized_module(source))}
+    over = {name: n for name, n in found.items() if name not in OVERSIZED_FOR_NOW}
+    assert not over, f"modules over {MAX_MODULE_LINES} lines (split them by job): {over}"
+    split = sorted(set(OVERSIZED_FOR_NOW) - set(found))
+    assert not split, f"no longer over {MAX_MODULE_LINES} lines: remove them from OVERSIZED_FOR_NOW: {split}"
+
+
+def test_no_function_is_over_60_lines() -> None:
+    """STYLE.md: fit() about 60 lines, train_step() about 40; nothing outside bench/ longer than 60."""
+    found = {name: hits for name, source in package_sources().items() if (hits := long_functions(source))}
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines: {found}"
+
+
+def test_the_size_rules_see_a_long_module_and_a_long_function() -> None:
+    assert oversized_module("x = 1\n" * 501) == 501
+    assert oversized_module("x = 1\n" * 500) is None
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    assert long_functions(f"def f():\n{body}") == [("f", 61)]
+    method = "class C:\n    def m(self):\n" + "".join(f"        x{i} = {i}\n" for i in range(60))
+    assert long_functions(method) == [("m", 61)]
+    assert long_functions("def f():\n" + body.rsplit("    x59", 1)[0]) == []
+
+
+# ----------------------------------------------------------------------------- the config check stays fast
+
+HEAVY = ("torch", "transformers", "datasets", "peft")
+
+
+def module_level_imports(source: str) -> set[str]:
+    """Top-level package names a module imports when it is imported: module-level statements only (also under
+    ``if``/``try`` at module level), not inside functions, and not under ``if TYPE_CHECKING``."""
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(ast.parse(source).body)
+    return found
+
+
+def test_the_config_package_imports_no_torch_at_module_level() -> None:
+    """The config check must not load torch (seconds): a typo fails in well under a second (issue 22)."""
+    for path in sorted((PACKAGE / "config").glob("*.py")):
+        heavy = module_level_imports(path.read_text()) & set(HEAVY)
+        assert not heavy, f"ddptrain/config/{path.name} imports {heavy} at module level: import it where needed"
+
+
+def test_importing_the_config_loads_none_of_the_heavy_libraries() -> None:
+    """What the AST check cannot see: a module the config imports that imports torch in turn."""
+    code = f"import sys, ddptrain.config; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
+    assert out.stdout.strip() == "[]", f"importing ddptrain.config loads {out.stdout.strip()}"
+
+
+def test_the_import_check_sees_a_module_level_torch() -> None:
+    assert module_level_imports("import torch.nn as nn\nfrom datasets import x\n") == {"torch", "datasets"}
+    assert module_level_imports("try:\n    import torch\nexcept ImportError:\n    pass\n") == {"torch"}
+    assert module_level_imports("def f():\n    import torch\n") == set()
+    assert module_level_imports("if TYPE_CHECKING:\n    import torch\n") == set()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import MissingConfigException
 
-from ddptrain import config, loggers
+from ddptrain import config
 from ddptrain.config import (
     ConfigError,
     LoggerConfig,
@@ -22,6 +22,7 @@ from ddptrain.config import (
     TensorBoardLoggerConfig,
     WandbLoggerConfig,
 )
+from ddptrain.observe import loggers
 from tests import logger_readers as read
 from tests.conftest import REPO, compose_config
 
@@ -134,7 +135,7 @@ def test_unchosen_loggers_are_never_imported(tmp_path: Path) -> None:
         "import sys\n"
         "from pathlib import Path\n"
         "from ddptrain.config import LoggerConfig, TensorBoardLoggerConfig\n"
-        "from ddptrain.loggers import build_loggers\n"
+        "from ddptrain.observe.loggers import build_loggers\n"
         "before = {m for m in ('wandb', 'mlflow', 'torch.utils.tensorboard') if m in sys.modules}\n"
         f"built = build_loggers(LoggerConfig(tensorboard=TensorBoardLoggerConfig()), Path({str(tmp_path)!r}), {{}})\n"
         "built[0].close()\n"

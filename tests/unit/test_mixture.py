@@ -11,8 +11,8 @@ import pytest
 
 from ddptrain.config import ConfigError, Template
 from ddptrain.data import build_batching_spec, build_datasets, mixture_indices
+from ddptrain.data.sampler import DistributedBatchSampler
 from ddptrain.model import build_tokenizer
-from ddptrain.sampler import DistributedBatchSampler
 from tests.conftest import ALPACA, compose_config, requires_shared
 
 ASSETS = Path(__file__).resolve().parents[2] / "ddptrain" / "assets"

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddptrain.config import Attention, DataConfig, DType, ModelConfig, ModelInit
-from ddptrain.data import Collator, RowEncoder
+from ddptrain.data import IGNORE_INDEX, Collator, RowEncoder
 from ddptrain.model import (
-    IGNORE_INDEX,
     CausalLMLoss,
     ChunkedHeadLoss,
     apply_gradient_checkpointing,

@@ -11,9 +11,11 @@ import logging
 import pytest
 import torch
 
-from ddptrain import config, flops, model, parallel
+from ddptrain import config, parallel
 from ddptrain.config import ConfigError, DType, Precision, TrainerConfig, resolve_precision
-from ddptrain.model import attention_cost_warning, dense_attention_overhead, settle_precision
+from ddptrain.model import attention_cost_warning, dense_attention_overhead
+from ddptrain.observe import flops
+from ddptrain.precision import settle_precision
 from tests.conftest import compose_config
 
 H100 = "NVIDIA H100 80GB HBM3"  # datasheet: bf16 989.5 dense, TF32 494.5, FP32 67
@@ -58,7 +60,7 @@ def gpu(monkeypatch, capability: tuple[int, int], name: str = H100) -> None:
 def test_on_an_ampere_gpu_auto_becomes_bf16_and_fp32_matmuls_use_tf32(monkeypatch, cuda_matmul_mode, caplog) -> None:
     gpu(monkeypatch, (9, 0))
     torch.backends.cuda.matmul.fp32_precision = "ieee"
-    with caplog.at_level(logging.INFO, logger="ddptrain.model"):
+    with caplog.at_level(logging.INFO, logger="ddptrain.precision"):
         settled = settle_precision(TrainerConfig(), CUDA)
     assert settled.precision == Precision.bf16
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
@@ -126,14 +128,14 @@ COMPILED_CHECKPOINTING = ["trainer.compile=true", "model.gradient_checkpointing=
 
 
 def test_compile_with_checkpointing_under_ddp_is_refused_on_torch_before_2_6(monkeypatch) -> None:
-    monkeypatch.setattr(config, "installed_torch_version", lambda: (2, 5))
+    monkeypatch.setattr(config.checks, "installed_torch_version", lambda: (2, 5))
     (problem,) = problems(COMPILED_CHECKPOINTING)
     assert problem.startswith(
         "trainer.compile=true with model.gradient_checkpointing=true under DDP crashes on torch 2.5"
     )
     assert "upgrade torch to 2.6 or newer, or set trainer.compile=false" in problem
     assert compose_config([*COMPILED_CHECKPOINTING, "parallel=single"]).trainer.compile  # no DDP, no DDPOptimizer
-    monkeypatch.setattr(config, "installed_torch_version", lambda: (2, 6))
+    monkeypatch.setattr(config.checks, "installed_torch_version", lambda: (2, 6))
     assert compose_config(COMPILED_CHECKPOINTING).trainer.compile
 
 
@@ -189,7 +191,8 @@ def test_flash_attention_with_padded_batches_warns_and_names_packing() -> None:
 
 def test_the_sampler_reports_the_samples_each_packed_row_holds() -> None:
     """What the attention warning is computed from: the real plan's rows, checked against the plan itself."""
-    from ddptrain.sampler import BatchingSpec, DistributedBatchSampler
+    from ddptrain.data.plan import BatchingSpec
+    from ddptrain.data.sampler import DistributedBatchSampler
 
     lengths = [30, 50, 20, 70, 10, 40, 60, 25]
     spec = BatchingSpec(mode=config.Batching.packed, world_size=2, micro_batch_size=1, max_tokens_per_batch=100, seed=0)
@@ -201,7 +204,7 @@ def test_the_sampler_reports_the_samples_each_packed_row_holds() -> None:
 
 def test_the_settled_config_keeps_every_other_trainer_key() -> None:
     cfg = dataclasses.replace(TrainerConfig(), seed=7, max_steps=3)
-    settled = model.settle_precision(cfg, torch.device("cpu"))
+    settled = settle_precision(cfg, torch.device("cpu"))
     assert dataclasses.replace(settled, precision=Precision.auto) == cfg
 
 

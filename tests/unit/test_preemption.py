@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ddptrain import signals
+from ddptrain.process import signals
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddptrain import hangs, profiling
+from ddptrain.observe import profiling
 from ddptrain.parallel import DistEnv
+from ddptrain.process import hangs
 
 
 @pytest.fixture(autouse=True)

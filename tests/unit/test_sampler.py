@@ -8,7 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddptrain.config import Batching
-from ddptrain.sampler import BatchingSpec, DistributedBatchSampler, micro_batch_cost, plan_epoch, round_up
+from ddptrain.data.batch_cost import round_up
+from ddptrain.data.plan import BatchingSpec, micro_batch_cost, plan_epoch
+from ddptrain.data.sampler import DistributedBatchSampler
 
 FIXED_ROWS = (Batching.random, Batching.length_grouped)
 PROPERTY_SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddptrain.started import PORT_BASE, PORT_SPAN, Start, first_host
+from ddptrain.process.started import PORT_BASE, PORT_SPAN, Start, first_host
 
 # Rank 5 of a 2-node job with 4 tasks per node, as srun sets it for a submitit job (SUBMITIT_EXECUTOR from its script).
 SLURM_RANK5 = {

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ddptrain import parallel, signals
+from ddptrain import parallel
+from ddptrain.process import signals
 from ddptrain.trainer import Trainer
 from tests.conftest import compose_config
 

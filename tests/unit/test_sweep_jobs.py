@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ddptrain import signals
+from ddptrain.process import signals
 from ddptrain.sweep import jobs
 
 OVERRIDES = ["optim.lr=0.001", "trainer.max_steps=5"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddptrain.templates import RowError, alpaca_prompt, format_alpaca, format_chat
+from ddptrain.data.templates import RowError, alpaca_prompt, format_alpaca, format_chat
 
 
 def test_alpaca_with_input_puts_instruction_and_input_in_the_prompt():

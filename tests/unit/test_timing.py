@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddptrain import parallel, timing
+from ddptrain import parallel
+from ddptrain.observe import timing
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ddptrain import hangs
 from ddptrain.config import TrainerConfig
 from ddptrain.parallel import DistEnv
+from ddptrain.process import hangs
 
 log = logging.getLogger(__name__)
 # Allocations kept by the CUDA memory history: enough for a few steps of a large model.

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from ddptrain import hangs, parallel
+from ddptrain import parallel
+from ddptrain.process import hangs
 
 COLUMNS = ("data", "compute", "comm", "optimizer", "other")
 # The column each phase's time is booked to; None: not part of a step (and not in step_time_s).

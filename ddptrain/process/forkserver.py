@@ -33,7 +33,7 @@ from multiprocessing import forkserver as mp_forkserver
 from multiprocessing import resource_tracker
 from typing import Any
 
-from ddptrain import signals
+from ddptrain.process import signals
 
 log = logging.getLogger(__name__)
 

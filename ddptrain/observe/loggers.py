@@ -1,6 +1,6 @@
 """Where metrics go besides ``metrics.jsonl``: TensorBoard, Weights & Biases, MLflow (``logger=...``).
 
-Every logger has the same three calls, made by ``metrics.MetricsLogger`` on global rank 0 only:
+Every logger has the same three calls, made by ``observe.metrics.MetricsLogger`` on global rank 0 only:
 
 - ``log_metrics(record, step)``: every training and eval record. Numbers only: ``step`` is the x-axis,
   not a metric; nested dicts and lists are flattened into ``key/sub`` names (``mem_peak_gb_by_rank/1``,
@@ -15,7 +15,7 @@ Every logger has the same three calls, made by ``metrics.MetricsLogger`` on glob
 
 The resolved config is recorded when the logger is built. Each package is imported inside its
 builder: a logger that was not chosen costs no import time, and a missing package is caught
-earlier, by ``config._check_loggers``, naming the extra that installs it.
+earlier, by ``config.logger._check_loggers``, naming the extra that installs it.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from ddptrain import signals
 from ddptrain.config import LoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig, WandbLoggerConfig
+from ddptrain.process import signals
 
-# What metrics.jsonl writes for non-finite floats (JSON has no NaN); see metrics._plain.
+# What metrics.jsonl writes for non-finite floats (JSON has no NaN); see observe.metrics._plain.
 NON_FINITE = {"nan", "inf", "-inf"}
 # MLflow 3 refuses a file store unless this is set (and so does every reader of it): the default store is
 # SQLite, which it reads as is. Set only for a file store the user names in logger.mlflow.tracking_uri.
@@ -55,7 +55,7 @@ ends a run on Ctrl-C (code 255), yet told apart from a failure (1) by its exit c
 
 
 class Logger(Protocol):
-    """What ``metrics.MetricsLogger`` calls on each chosen logger."""
+    """What ``observe.metrics.MetricsLogger`` calls on each chosen logger."""
 
     def log_metrics(self, record: dict[str, Any], step: int) -> None: ...
 

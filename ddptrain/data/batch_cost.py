@@ -7,7 +7,7 @@ rule is chosen once per batching mode (``cost_rule``), and every caller then pas
 lengths of the samples in one micro-batch. The collator pads with the same ``round_up``; the tests
 and ``bench/samplers.py`` measure costs on their own, from tensors and plans, as an independent check.
 
-No torch, no numpy, no ddptrain imports: ``config.py`` checks the budget before any worker starts.
+No torch, no numpy, no ddptrain imports: ``config/data.py`` checks the budget before any worker starts.
 """
 
 from __future__ import annotations

@@ -1,16 +1,20 @@
 """Where ``data.path`` (and ``data.eval_path``) point: a file, a glob of files, a folder or a Hub dataset id.
 
-``resolve_source`` tells them apart with the standard library alone, so that ``config.py`` can refuse a
-local path that does not exist before any worker starts; ``data.py`` then reads the source through
+``resolve_source`` tells them apart with the standard library alone, so that ``config/data.py`` can refuse a
+local path that does not exist before any worker starts; ``load.py`` then reads the source through
 ``datasets``. A path that does not exist locally and looks like ``owner/name`` is a Hub dataset id:
 whether the Hub (or, offline, the local cache) has it is only known when it is loaded.
+``locate_row`` and ``source_group`` say, for errors, where a row sits (``file:line``) and where a source's
+keys live.
 """
 
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -98,3 +102,29 @@ def _resolve_glob(pattern: str, key: str) -> Source:
         )
     _check_type(key, pattern, suffixes[0])
     return Source(pattern, SourceKind.glob, tuple(files))
+
+
+def source_group(key: str) -> str:
+    """Where a source's keys live: ``data`` for data.path / data.eval_path, ``data.sources[k]`` in a mixture."""
+    return key.removesuffix(".path") if key.startswith("data.sources[") else "data"
+
+
+def locate_row(source: str, index: int) -> str:
+    """``file:line`` of row ``index`` when ``source`` is .jsonl files (one file or a glob, read in order;
+    blank lines are not rows), else ``source, row N`` (other file types, folders, Hub ids)."""
+    try:
+        files = resolve_source(source, "data.path").files
+    except ValueError:  # gone since it was read: the row number still says which row
+        files = ()
+    if files and all(f.lower().endswith(".jsonl") for f in files):
+        line = next(itertools.islice(_jsonl_row_lines(files), index, None), None)
+        if line is not None:
+            return line
+    return f"{source}, row {index + 1}"
+
+
+def _jsonl_row_lines(files: Sequence[str]) -> Iterator[str]:
+    """``file:line`` of every row of .jsonl files, in order."""
+    for file in files:
+        with open(file, encoding="utf-8") as f:
+            yield from (f"{file}:{line_no}" for line_no, line in enumerate(f, start=1) if line.strip())

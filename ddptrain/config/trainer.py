@@ -1,0 +1,141 @@
+"""The ``trainer`` group's schema (``conf/trainer/``): the loop's length, precision, device, cadences, resume and
+output, the end-of-run diagnosis thresholds (``trainer.diagnose``), and their checks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from ddptrain.config.checks import _positive
+
+
+class Precision(str, Enum):
+    auto = "auto"  # bf16 autocast on a CUDA device that supports it, else fp32 (resolve_precision)
+    fp32 = "fp32"  # no autocast
+    bf16 = "bf16"  # bf16 autocast
+    fp16 = "fp16"  # fp16 autocast with a GradScaler
+
+
+class Device(str, Enum):
+    auto = "auto"  # cuda:LOCAL_RANK when CUDA is available, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass
+class DiagnoseConfig:
+    """Thresholds of the end-of-run verdict (ddptrain.diagnose); each is a share of the measured step time
+    unless it says otherwise. The verdict is ``memory`` when that fires (a run about to fail comes first),
+    else the largest loss of time that crosses its threshold, else ``compute`` (docs/diagnostics.md)."""
+
+    data_share: float = 0.10
+    """Verdict ``data`` when waiting on the loader takes at least this share of a step."""
+    comm_share: float = 0.15
+    """Verdict ``communication`` when all-reduce time left exposed after backward takes at least this share."""
+    rank_time_imbalance: float = 1.15
+    """Verdict ``imbalance`` or ``straggler`` when the slowest rank's busy time / the mean is at least this."""
+    planned_share: float = 0.5
+    """``imbalance`` (the batch plan) rather than ``straggler`` (the rank itself) when the planned
+    rank_imbalance accounts for at least this share of the measured excess."""
+    memory_fraction: float = 0.92
+    """Verdict ``memory`` when a rank's reserved memory reaches this fraction of the device, or the
+    allocator had to retry (free its cache) to satisfy a request."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: Optional[int] = None
+    """Optimizer steps to run; null = run trainer.epochs full epochs."""
+    epochs: int = 1
+    precision: Precision = Precision.auto
+    """The forward pass's autocast dtype. auto: bf16 on a CUDA device that supports it (Ampere and newer), fp32
+    (no autocast) on CPU and older GPUs; the run log and config.yaml show what it became. bf16; fp16 (autocast
+    with a GradScaler; needed by model.dtype=fp16); fp32 = no autocast, matmuls in the weights' dtype."""
+    tf32: bool = True
+    """fp32 matmuls and convolutions on a CUDA GPU that has TF32 tensor cores (Ampere and newer) run in TF32
+    (torch.backends.cuda.matmul.fp32_precision="tf32"): ~8x the fp32 peak, 10-bit mantissa inputs, fp32
+    accumulation. false = IEEE fp32 matmuls. No effect on CPU."""
+    device: Device = Device.auto
+    seed: int = 42
+    log_every_n_steps: int = 10
+    eval_every_n_steps: int = 0
+    """0 = evaluate only at the end (when there is an eval split)."""
+    save_every_n_steps: int = 0
+    """0 = save only at the end."""
+    keep_last_n: int = 3
+    """Checkpoints kept under <run>/checkpoints (older ones are deleted)."""
+    save_timeout_s: int = 3600
+    """How long the other ranks wait for rank 0 to write a checkpoint or the final weights. They wait through the
+    store, not in a collective, so a save may outlast parallel.timeout_s (tens of GB on network storage); a save
+    that fails ends every rank at once, with rank 0's error."""
+    resume: str = "auto"
+    """auto: continue from this run directory's newest checkpoint, if any; none; or a checkpoint/run folder."""
+    save_final: bool = True
+    """Write <run>/adapter (and <run>/base for a random-init model) when training ends."""
+    output_dir: str = "outputs"
+    """Runs go to <output_dir>/<date>_<time>, sweeps to <output_dir>/multirun/..."""
+    progress_bar: bool = True
+    compile: bool = False
+    """torch.compile the model (first steps are slow while it compiles)."""
+    timing: bool = True
+    """Measure where each step's time goes (data, compute, exposed communication, optimizer), FLOP/s and
+    memory per rank, and write the diagnosis (report.md) at the end. false: tokens/s and loss only."""
+    peak_tflops: Optional[float] = None
+    """The device's dense peak TFLOP/s (for mfu); null = looked up from the GPU's name for the dtype the matmuls run
+    in: the autocast dtype (trainer.precision), else model.dtype (TF32's peak for fp32 with trainer.tf32=true).
+    On CPU mfu stays null unless this is set."""
+    profile_steps: Optional[list[int]] = None
+    """[START, END]: a torch.profiler trace of optimizer steps START..END (1-based, inclusive) under
+    <run>/profile/; null = no profiling."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """The global ranks that write a profiler trace when trainer.profile_steps is set."""
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
+    """Thresholds of the end-of-run verdict (report.md; docs/diagnostics.md)."""
+
+
+def _check_trainer(t: TrainerConfig) -> list[str]:
+    problems = _positive({"trainer.max_steps": t.max_steps, "trainer.epochs": t.epochs})
+    problems += _positive({"trainer.log_every_n_steps": t.log_every_n_steps, "trainer.keep_last_n": t.keep_last_n})
+    problems += _positive({"trainer.save_timeout_s": t.save_timeout_s})
+    if t.resume not in ("auto", "none") and not os.path.exists(os.path.expanduser(t.resume)):
+        problems.append(
+            f"trainer.resume={t.resume}: no such folder. Use auto, none, or a run / checkpoints/step-N folder."
+        )
+    for key in ("eval_every_n_steps", "save_every_n_steps"):
+        if getattr(t, key) < 0:
+            problems.append(f"trainer.{key}={getattr(t, key)} must be 0 (only at the end) or more.")
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        problems.append(f"trainer.peak_tflops={t.peak_tflops} must be positive, or null to look it up.")
+    return problems + _check_profile(t) + _check_diagnose(t.diagnose)
+
+
+def _check_diagnose(d: DiagnoseConfig) -> list[str]:
+    problems = [
+        f"trainer.diagnose.{key}={getattr(d, key)} must be in (0, 1]."
+        for key in ("data_share", "comm_share", "planned_share", "memory_fraction")
+        if not 0 < getattr(d, key) <= 1
+    ]
+    if d.rank_time_imbalance <= 1:
+        problems.append(
+            f"trainer.diagnose.rank_time_imbalance={d.rank_time_imbalance} must be above 1 "
+            "(slowest rank's busy time / the mean; 1.15 = 15% slower)."
+        )
+    return problems
+
+
+def _check_profile(t: TrainerConfig) -> list[str]:
+    if t.profile_steps is None:
+        return []
+    steps, problems = list(t.profile_steps), []
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
+        problems.append(f"trainer.profile_steps={steps} must be [START, END] with 1 <= START <= END, e.g. [3,5].")
+    elif t.max_steps is not None and steps[0] > t.max_steps:
+        problems.append(
+            f"trainer.profile_steps={steps} starts after trainer.max_steps={t.max_steps}: nothing would be traced."
+        )
+    if any(rank < 0 for rank in t.profile_ranks):
+        problems.append(f"trainer.profile_ranks={list(t.profile_ranks)} must list global ranks (0 or more).")
+    return problems

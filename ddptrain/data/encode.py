@@ -1,0 +1,201 @@
+"""Encoding: a row becomes ``input_ids`` and ``labels``, with what is not trained on labelled ``IGNORE_INDEX``.
+
+The templates (``templates.py``) say what a row's text is and which of it is trained on; ``RowEncoder``
+tokenizes a batch of rows at once and labels the tokens, and ``resolve_chat_template`` picks the template
+that renders conversations. The data side owns the ignore label: the collator and the loss (``model.py``)
+import it from here. No torch and no datasets in this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ddptrain.config import DataConfig, Template, is_jinja
+from ddptrain.data.sources import locate_row, source_group
+from ddptrain.data.templates import (
+    RowError,
+    chat_messages,
+    chatml_turns,
+    format_alpaca,
+    format_text,
+    render_chat,
+    sharegpt_messages,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__package__)  # "ddptrain.data": the data side's modules log under one name, as before the split
+
+IGNORE_INDEX = -100
+"""The label of a token that is not a target (prompt, padding, a packed sample's first token): the value
+``torch.nn.functional.cross_entropy`` skips by default."""
+
+# A record every rank logs identically (data statistics): the console prints it on rank 0 alone. The
+# attribute is the console's (``observe.console.SAME_ON_ALL_RANKS``), spelled out here so that the data
+# side imports no logging code.
+RANK_ZERO_ONLY = {"same_on_all_ranks": True}
+
+
+class RowEncoder:
+    """Turns raw rows into input_ids / labels, masking out of the loss what is not trained on.
+
+    Alpaca rows, and chat rows for a tokenizer without a chat template (ChatML), are (prompt,
+    response) pieces, tokenized piece by piece with EOS appended. Chat rows under the model's own
+    chat template, and plain text, are tokenized as one text exactly as the template writes it; the
+    tokens that overlap a span to train on (an assistant reply with its end-of-turn token, or the
+    whole text) are labelled.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.chat_template = resolve_chat_template(cfg, tokenizer)
+        self.whole_text = cfg.template == Template.text or self.chat_template is not None
+        if self.whole_text and not tokenizer.is_fast:
+            # The trained spans are found through the fast tokenizers' character offsets.
+            raise ValueError(
+                f"data.template={cfg.template.value} needs a fast tokenizer (character offsets), but "
+                f"{type(tokenizer).__name__} is not one: point model.tokenizer at a folder with a tokenizer.json, "
+                "or for chat rows set data.chat_template=chatml."
+            )
+
+    def turns(self, row: dict[str, Any]) -> Any:
+        """Pieces (alpaca, ChatML) or ``(text, spans to train on, append EOS)``.
+
+        Raises:
+            RowError: the row lacks what the template needs.
+        """
+        c = self.cfg
+        if c.template == Template.alpaca:
+            return [format_alpaca(row, c.instruction_field, c.input_field, c.output_field)]
+        if c.template == Template.text:
+            text = format_text(row, c.text_field)
+            return text, [(0, len(text))], True
+        if c.template == Template.chat:
+            messages, field = chat_messages(row, c.messages_field), c.messages_field
+        else:
+            messages = sharegpt_messages(row, c.conversations_field, c.role_field, c.content_field)
+            field = c.conversations_field
+        if self.chat_template is None:
+            return chatml_turns(messages, field)
+        text, spans = render_chat(messages, self.render, self.tokenizer.eos_token)
+        return text, spans, False
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, parsed: list[Any]) -> list[tuple[list[int], list[int], bool]]:
+        """(input_ids, labels, truncated) per parsed row."""
+        if not parsed:  # every row of this batch was malformed and skipped
+            return []
+        return self.encode_texts(parsed) if self.whole_text else self.encode_turns(parsed)
+
+    def encode_turns(self, turns_per_row: list[list[tuple[str, str]]]) -> list[tuple[list[int], list[int], bool]]:
+        """Pieces tokenized one by one, prompts masked; EOS appended after the last response."""
+        flat = [turn for turns in turns_per_row for turn in turns]
+        # One tokenizer call per batch for prompts and one for responses: ~10x faster than per row.
+        prompts = self.tokenizer([p for p, _ in flat], add_special_tokens=False).input_ids
+        responses = self.tokenizer([r for _, r in flat], add_special_tokens=False).input_ids
+        encoded = []
+        k = 0
+        for turns in turns_per_row:
+            input_ids: list[int] = []
+            labels: list[int] = []
+            for prompt_ids, response_ids in zip(prompts[k : k + len(turns)], responses[k : k + len(turns)]):
+                input_ids += prompt_ids + response_ids
+                labels += [IGNORE_INDEX] * len(prompt_ids) + response_ids
+            k += len(turns)
+            encoded.append(self._truncate([*input_ids, self.eos_id], [*labels, self.eos_id]))
+        return encoded
+
+    def encode_texts(
+        self, items: list[tuple[str, list[tuple[int, int]], bool]]
+    ) -> list[tuple[list[int], list[int], bool]]:
+        """Whole texts tokenized at once; a token is a target when its characters overlap a span."""
+        tokenized = self.tokenizer(
+            [text for text, _, _ in items], add_special_tokens=False, return_offsets_mapping=True
+        )
+        encoded = []
+        for (_, spans, append_eos), ids, offsets in zip(items, tokenized.input_ids, tokenized.offset_mapping):
+            labels = [
+                token if any(start < end_s and start_s < end for start_s, end_s in spans) else IGNORE_INDEX
+                for token, (start, end) in zip(ids, offsets)
+            ]
+            if append_eos:
+                ids, labels = [*ids, self.eos_id], [*labels, self.eos_id]
+            encoded.append(self._truncate(list(ids), labels))
+        return encoded
+
+    def _truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int], bool]:
+        limit = self.cfg.max_length
+        return input_ids[:limit], labels[:limit], len(input_ids) > limit
+
+    def __call__(
+        self, batch: dict[str, list], indices: list[int], source: str, key: str = "data.path"
+    ) -> dict[str, list]:
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        turns_per_row: list[Any] = []
+        for index, row in zip(indices, rows):
+            try:
+                turns_per_row.append(self.turns(row))
+            except RowError as err:
+                if not self.cfg.skip_bad_rows:
+                    raise ValueError(
+                        f"{locate_row(source, index)}: {err}. Fix the row, set the {source_group(key)}.*_field keys to "
+                        "your field names, or set data.skip_bad_rows=true to skip such rows."
+                    ) from None
+                turns_per_row.append(None)
+        encoded = iter(self.encode([t for t in turns_per_row if t is not None]))
+        out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "length", "truncated", "bad", "no_target")}
+        for turns in turns_per_row:
+            input_ids, labels, truncated = next(encoded) if turns is not None else ([], [], False)
+            out["input_ids"].append(input_ids)
+            out["labels"].append(labels)
+            out["length"].append(len(input_ids))
+            out["truncated"].append(truncated)
+            out["bad"].append(turns is None)
+            out["no_target"].append(turns is not None and _no_target(labels))
+        return out
+
+
+def resolve_chat_template(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The Jinja chat template that renders chat rows, or None for ChatML pieces (``format_chat``).
+
+    ``data.chat_template``: null = the tokenizer's own (None when it has none), ``chatml``, a path to
+    a template file, or the template itself.
+    """
+    if cfg.template not in (Template.chat, Template.sharegpt) or cfg.chat_template == "chatml":
+        return None
+    if cfg.chat_template is None:
+        own = tokenizer.chat_template
+        return own.get("default") if isinstance(own, dict) else own
+    if is_jinja(cfg.chat_template):
+        return cfg.chat_template
+    return Path(cfg.chat_template).expanduser().read_text()  # the config check found the file
+
+
+def log_chat_format(cfg: DataConfig, chat_template: str | None) -> None:
+    """Say (once, on rank 0) how conversations are rendered; warn when ChatML stands in for a missing template."""
+    if cfg.template not in (Template.chat, Template.sharegpt):
+        return
+    if chat_template is not None:
+        where = "data.chat_template" if cfg.chat_template else "the tokenizer's own chat template"
+        log.info("data: conversations rendered with %s", where, extra=RANK_ZERO_ONLY)
+    elif cfg.chat_template != "chatml":
+        log.warning(
+            "data: model.tokenizer has no chat template, so conversations use ChatML (Qwen's format). For "
+            "another model family set data.chat_template to its template (a Jinja string or a file).",
+            extra=RANK_ZERO_ONLY,
+        )
+
+
+def _no_target(labels: Sequence[int]) -> bool:
+    # Position 0 is never predicted, so a row needs a target after it.
+    return all(label == IGNORE_INDEX for label in labels[1:])

@@ -1,0 +1,128 @@
+"""One rank's micro-batches for the DataLoader: the epoch plan (``plan.py``) read at this rank's column.
+
+``DistributedBatchSampler`` holds the data position (epoch, micro-steps consumed) that a checkpoint saves
+and a resumed run restores; a weighted mixture gives it the rows each epoch draws (``EpochRows``).
+Pure Python and numpy: no torch, no communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+
+from ddptrain.data.plan import BatchingSpec, MicroBatch, check_lengths, plan_epoch
+
+EpochRows = Callable[[int], Sequence[int]]
+"""The dataset indices an epoch draws from (``data.sources`` with weights draws anew each epoch)."""
+
+
+class DistributedBatchSampler:
+    """One rank's micro-batches, for ``DataLoader(dataset, batch_sampler=...)``.
+
+    Iterating does not move ``position``: a DataLoader with workers reads the sampler ahead of
+    training, so only the trainer knows how many micro-steps were consumed. It reports them through
+    ``skip`` or ``load_state_dict``, and ``state_dict`` gives them back for a checkpoint.
+    """
+
+    def __init__(self, lengths, spec: BatchingSpec, rank: int, epoch_rows: EpochRows | None = None):
+        """Plan epoch 0.
+
+        Args:
+            lengths: token length of every sample (1-D integers).
+            spec: batching spec, equal on every rank.
+            rank: this process's rank, ``0 <= rank < spec.world_size``.
+            epoch_rows: the samples each epoch draws from (a weighted mixture draws anew every epoch);
+                None = every sample, every epoch.
+
+        Raises:
+            ValueError: rank out of range, or the data cannot fill one micro-step (see ``plan_epoch``).
+        """
+        if not 0 <= rank < spec.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{spec.world_size - 1} for world_size {spec.world_size}")
+        self.spec = spec
+        self.rank = rank
+        self._lengths = check_lengths(lengths, spec)
+        self._epoch_rows = epoch_rows
+        self._epoch = 0
+        self._position = 0
+        self._plan = self._plan_of(0)
+
+    def _plan_of(self, epoch: int) -> list[list[MicroBatch]]:
+        """The epoch's plan over the samples it draws, in dataset indices."""
+        if self._epoch_rows is None:
+            return plan_epoch(self._lengths, self.spec, epoch)
+        rows = np.asarray(self._epoch_rows(epoch), dtype=np.int64)
+        plan = plan_epoch(self._lengths[rows], self.spec, epoch)
+        return [[[tuple(int(rows[i]) for i in row) for row in batch] for batch in step] for step in plan]
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose plan is loaded."""
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """Micro-steps of the current epoch already consumed."""
+        return self._position
+
+    @property
+    def dropped(self) -> int:
+        """Samples of the epoch's draw left out of it (see the tail rule in ``plan.py``'s docstring)."""
+        used = sum(len(row) for step in self._plan for batch in step for row in batch)
+        drawn = len(self._lengths) if self._epoch_rows is None else len(self._epoch_rows(self._epoch))
+        return drawn - used
+
+    def set_epoch(self, epoch: int) -> None:
+        """Load ``epoch``'s plan (recomputed only when the epoch changes) and rewind to its start."""
+        if epoch != self._epoch:
+            self._plan = self._plan_of(epoch)
+            self._epoch = epoch
+        self._position = 0
+
+    def skip(self, n_micro_steps: int = 1) -> None:
+        """Record that the trainer consumed ``n_micro_steps`` more micro-steps.
+
+        Raises:
+            ValueError: the position would leave ``0..len(self)``.
+        """
+        self._set_position(self._position + n_micro_steps)
+
+    def __iter__(self) -> Iterator[MicroBatch]:
+        """This rank's micro-batches from ``position`` to the end of the epoch."""
+        return iter([step[self.rank] for step in self._plan[self._position :]])
+
+    def __len__(self) -> int:
+        """Micro-batches per rank in the whole current epoch (equal on every rank)."""
+        return len(self._plan)
+
+    def epoch_length(self, epoch: int) -> int:
+        """Micro-batches per rank in ``epoch`` (token_budget and packed plans vary a little by epoch)."""
+        return len(self._plan) if epoch == self._epoch else len(self._plan_of(epoch))
+
+    def row_lengths(self) -> list[list[int]]:
+        """The sample lengths of every row this rank trains on in the current epoch: one per row when padded,
+        several in a packed row (what attention's cost depends on)."""
+        return [[int(self._lengths[i]) for i in row] for step in self._plan for row in step[self.rank]]
+
+    def state_dict(self) -> dict:
+        """``{"epoch": int, "position": int}``: enough to resume mid-epoch."""
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore epoch and position, so iterating yields exactly the rest of that epoch.
+
+        Raises:
+            ValueError: the position lies outside the epoch.
+        """
+        self.set_epoch(int(state["epoch"]))
+        self._set_position(int(state["position"]))
+
+    def _set_position(self, position: int) -> None:
+        if not 0 <= position <= len(self._plan):
+            raise ValueError(
+                f"position {position} is outside epoch {self._epoch}'s 0..{len(self._plan)} micro-steps. From a "
+                "checkpoint: it was saved with another batch plan; resume with its data.* settings and number of "
+                "processes, or set trainer.resume=none."
+            )
+        self._position = position

@@ -1,0 +1,136 @@
+"""The metrics window: what each optimizer step leaves behind (``StepResult``), this rank's share of the steps
+between two log lines (``Window``), and its reduction over all ranks into one metrics record, every rank calling the
+same collectives and getting the same record. ``Stopwatch`` times the windows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ddptrain import parallel
+
+
+class Stopwatch:
+    """Wall time since start and since the last lap (throughput windows)."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.last = now - self.last, now
+        return elapsed
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step leaves behind (local to this rank until reduced); tensors stay on the device."""
+
+    loss_sum: torch.Tensor  # read only when logging, so steps never wait on the GPU
+    target_tokens: int
+    grad_norm: torch.Tensor
+    overflowed: torch.Tensor | bool  # fp16: the GradScaler found inf/nan gradients and did not step
+    batch_tokens: list[tuple[int, int]]  # (real, padded) tokens of each micro-batch this rank trained on
+    stop_votes: torch.Tensor  # ranks that asked to stop (SIGTERM, Ctrl-C), summed over ranks
+    flops: float = 0.0  # model FLOPs of this rank's micro-batches (ddptrain.observe.flops)
+
+
+@dataclass
+class Window:
+    """This rank's share of the steps between two log lines.
+
+    A step's token counts travel with the step, measured from the tensors it trained on, so a
+    window that spans an epoch boundary (or a resume) never looks anything up in a batch plan.
+    Each rank keeps its own (a checkpoint saves every rank's, see ``checkpoint.Checkpointer``).
+    """
+
+    loss_sum: Any = 0.0  # a device tensor once a step is added: read only when logging
+    target_tokens: int = 0
+    batch_tokens: list[tuple[int, int]] = field(default_factory=list)
+    overflowed_steps: Any = 0  # fp16 steps the GradScaler did not take; a device tensor once added
+    steps: int = 0
+    flops: float = 0.0
+
+    def add(self, result: Any) -> None:
+        """Add one ``StepResult``."""
+        self.loss_sum = self.loss_sum + result.loss_sum.double()
+        self.target_tokens += result.target_tokens
+        self.batch_tokens += result.batch_tokens
+        self.overflowed_steps = self.overflowed_steps + result.overflowed
+        self.steps += 1
+        self.flops += result.flops
+
+    def close(self, *, step: int, epoch: int, lr: float, grad_norm: Any, watch: Stopwatch, comm: tuple | None) -> dict:
+        """The window over all ranks as one metrics record, then an empty window (in place: the checkpointer
+        holds this object). Every rank calls it (it runs collectives) and gets the same record.
+
+        Args:
+            comm: ``(calls, syncs, bytes)`` handed to all-reduce during the window (``parallel.CommCounter``),
+                or None when DDP's built-in all-reduce ran uncounted (trainer.timing=false).
+        """
+        record = self._reduce(step, epoch, lr, float(grad_norm), watch, comm)
+        self.load_state_dict(asdict(Window()))
+        return record
+
+    def _reduce(self, step: int, epoch: int, lr: float, grad_norm: float, watch: Stopwatch, comm: tuple | None) -> dict:
+        local = torch.tensor([float(self.loss_sum), self.target_tokens], dtype=torch.float64)
+        totals = parallel.all_reduce_sum(local)
+        seconds = watch.lap()  # after the reduction: every rank's steps of the window are done
+        real, padded, imbalance, peak = batch_stats(parallel.all_gather_tensor(torch.tensor(self.batch_tokens)))
+        per_step = [None] * 3 if comm is None else [n / self.steps for n in comm]  # None: DDP's own all-reduce
+        return {
+            "step": step,
+            "epoch": epoch,
+            "loss": float(totals[0] / max(totals[1], 1.0)),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": real,
+            "target_tokens": int(totals[1]),
+            "tokens_per_s": real / max(seconds, 1e-9),
+            "padding_fraction": 1.0 - real / max(padded, 1),
+            "rank_imbalance": imbalance,
+            "peak_rank_tokens": peak,
+            "skipped_steps": int(self.overflowed_steps),
+            # Per optimizer step and rank, as DDP's communication hook saw them.
+            "allreduce_calls_per_step": per_step[0],
+            "allreduce_syncs_per_step": per_step[1],
+            "allreduce_bytes_per_step": per_step[2],
+            "elapsed_s": watch.elapsed(),
+            "window_steps": self.steps,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers (the sums are read off the device): one rank's partial window for a checkpoint."""
+        return {**asdict(self), "loss_sum": float(self.loss_sum), "overflowed_steps": int(self.overflowed_steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_sum = float(state["loss_sum"])
+        self.target_tokens = int(state["target_tokens"])
+        self.batch_tokens = [(int(real), int(padded)) for real, padded in state["batch_tokens"]]
+        # "skipped": the name in checkpoints written before the rename.
+        self.overflowed_steps = int(state["overflowed_steps"] if "overflowed_steps" in state else state["skipped"])
+        self.steps = int(state["steps"])
+        self.flops = float(state.get("flops", 0.0))  # absent in checkpoints written before FLOP counting
+
+
+def batch_stats(tokens: torch.Tensor) -> tuple[int, int, float, int]:
+    """Figures of a log window from every rank's measured ``(real, padded)`` tokens per micro-step.
+
+    Args:
+        tokens: ``[world_size, micro_steps, 2]`` integers, as gathered from the ranks.
+
+    Returns:
+        Real and padded tokens over all ranks, the worst micro-step's rank imbalance (largest padded
+        micro-batch / mean over ranks) and the largest padded micro-batch of any rank.
+    """
+    real, padded = int(tokens[..., 0].sum()), int(tokens[..., 1].sum())
+    per_rank = tokens[..., 1].double()  # [world, micro_steps]
+    imbalance = float((per_rank.max(dim=0).values / per_rank.mean(dim=0).clamp(min=1e-9)).max())
+    return real, padded, max(imbalance, 1.0), int(per_rank.max())
