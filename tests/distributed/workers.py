@@ -215,7 +215,7 @@ def fail_with_a_thread_that_never_ends(cfg: RunConfig, run_dir: str, store_port:
         raise RuntimeError(f"rank {self.env.rank} failed on purpose")
 
     trainer.Trainer.fit = fails
-    parallel.FAILED_EXIT_GRACE_S = 3.0
+    parallel.group.FAILED_EXIT_GRACE_S = 3.0
     threading.Thread(target=threading.Event().wait, name="never-ends", daemon=False).start()
     launch.worker(cfg, run_dir, store_port)
 
