@@ -28,7 +28,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 from collections.abc import Callable
@@ -36,16 +35,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from ddptrain import parallel
+from ddptrain.checkpoint_format import FORMAT_VERSION, VERSION_KEY, upgrade_manifest, upgrade_state, version_of
 from ddptrain.config import ModelConfig, ModelInit
 from ddptrain.model import point_adapter_at_base, save_random_base
 from ddptrain.parallel import DistEnv
+from ddptrain.rng import RNGState
 
 log = logging.getLogger(__name__)
 
@@ -166,14 +166,14 @@ class Checkpointer:
             return None
         check_same_data_order(folder, self.fingerprint)  # find_checkpoint verified every file's hash
         load_trainable_weights(self.weights, folder / WEIGHTS)
-        state = load_state(folder)
+        fresh = {name: part.state_dict() for name, part in self.per_rank.items()}
+        state = upgrade_state(load_state(folder), version_of(read_manifest(folder)), fresh, self.env.world_size)
+        for name in state["missing"]:
+            log.warning("%s keeps no per-rank %s: it starts afresh on resume", folder, name)
         for name, part in self.shared.items():
             part.load_state_dict(state[name])
         for name, part in self.per_rank.items():
-            if name in state:
-                part.load_state_dict(state[name][self.env.rank])
-            else:  # saved before this part was kept per rank: it starts afresh
-                log.warning("%s keeps no per-rank %s: it starts afresh on resume", folder, name)
+            part.load_state_dict(state[name][self.env.rank])
         log.info("resumed from %s at step %d (epoch %d)", folder, state["step"], state["sampler"]["epoch"])
         return state["step"]
 
@@ -192,16 +192,6 @@ def check_same_data_order(folder: Path, fingerprint: Fingerprint) -> None:
             "other samples. Resume with the same data.*, optim.grad_accum_steps, trainer.seed and number of "
             "processes, or set trainer.resume=none to start over."
         )
-
-
-class RNGState:
-    """This process's RNG streams as a stateful part (dropout masks continue exactly on resume)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return capture_rng()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        restore_rng(state)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -251,7 +241,8 @@ def _write_manifest(folder: Path, meta: dict[str, Any]) -> None:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
-    (folder / MANIFEST).write_text(json.dumps({**meta, "files": files}, indent=2) + "\n")
+    manifest = {VERSION_KEY: FORMAT_VERSION, **meta, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 class CheckpointWriter:
@@ -337,7 +328,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
             f"{folder} has no {MANIFEST}: it is incomplete (interrupted save?) or not a checkpoint. Point "
             "trainer.resume at a complete checkpoints/step-N folder, or at the run directory (its newest complete one)."
         )
-    return json.loads(manifest_file.read_text())
+    return upgrade_manifest(json.loads(manifest_file.read_text()), folder)
 
 
 def verify(folder: Path) -> dict[str, Any]:
@@ -462,56 +453,3 @@ def _few(keys: list[str]) -> str:
 def load_state(folder: Path) -> dict[str, Any]:
     """The trainer state (optimizer, schedule, scaler, position, RNG), loaded with ``weights_only=True``."""
     return torch.load(folder / STATE, map_location="cpu", weights_only=True)
-
-
-# ----------------------------------------------------------------------------- RNG
-
-
-def seed_rng(seed: int, rank: int) -> None:
-    """Give this rank's training its own random streams (torch, CUDA, Python ``random``, numpy).
-
-    The model is built before this from ``seed`` alone, so every rank starts from the same weights. What
-    draws during training (dropout, ``model.lora_dropout``) then draws from these: with one stream for all
-    ranks, every rank would apply rank 0's masks to its own samples. ``capture_rng`` keeps them per rank.
-    """
-    # SeedSequence mixes the pair: with seed + rank, rank 1 of seed 42 would replay rank 0 of seed 43.
-    words = np.random.SeedSequence([seed, rank]).generate_state(2)
-    torch.manual_seed(int(words[0]) << 32 | int(words[1]))  # every CUDA device too
-    random.seed(int(words[0]))
-    np.random.seed(words)
-
-
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG states as tensors and plain numbers (safe for ``weights_only`` loading)."""
-    numpy_state = np.random.get_state(legacy=False)
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": {
-            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
-            "pos": int(numpy_state["state"]["pos"]),
-            "has_gauss": int(numpy_state["has_gauss"]),
-            "gauss": float(numpy_state["gauss"]),
-        },
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Put back what ``capture_rng`` saved (dropout masks then continue exactly)."""
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(
-        {
-            "bit_generator": "MT19937",
-            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-            "has_gauss": n["has_gauss"],
-            "gauss": n["gauss"],
-        }
-    )
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ddptrain import checkpoint, model, parallel
+from ddptrain import checkpoint, model, parallel, rng
 from ddptrain.config import DType, RunConfig, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
 from ddptrain.model import batch_to_device, build_model, build_tokenizer, wants_varlen_lengths
@@ -47,7 +47,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.model)
         # The model first: a tokenizer it cannot embed is refused before minutes of tokenizing.
         self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer)
-        checkpoint.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
+        rng.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
         self.data: TrainingData = build_training_data(
             cfg.data,
             self.tokenizer,

@@ -214,9 +214,9 @@ class DataOrder:
             "max_tokens_per_batch": cfg.max_tokens_per_batch,
             "pad_to_multiple_of": cfg.pad_to_multiple_of,
             "dataset_rows": dataset_rows,
+            # Empty without a mixture (older checkpoints keep no sources then: checkpoint_format reads them).
+            "sources": [json.dumps(dataclasses.asdict(s), default=str) for s in cfg.sources],
         }
-        if cfg.sources:  # only then: checkpoints saved before mixtures existed keep resuming
-            values["sources"] = [json.dumps(dataclasses.asdict(s), default=str) for s in cfg.sources]
         return cls(values)
 
     def changes_from(self, saved: dict[str, Any]) -> list[str]:

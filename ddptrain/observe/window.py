@@ -114,10 +114,9 @@ class Window:
         self.loss_sum = float(state["loss_sum"])
         self.target_tokens = int(state["target_tokens"])
         self.batch_tokens = [(int(real), int(padded)) for real, padded in state["batch_tokens"]]
-        # "skipped": the name in checkpoints written before the rename.
-        self.overflowed_steps = int(state["overflowed_steps"] if "overflowed_steps" in state else state["skipped"])
+        self.overflowed_steps = int(state["overflowed_steps"])  # older formats: checkpoint_format reads them
         self.steps = int(state["steps"])
-        self.flops = float(state.get("flops", 0.0))  # absent in checkpoints written before FLOP counting
+        self.flops = float(state["flops"])
 
 
 def batch_stats(tokens: torch.Tensor) -> tuple[int, int, float, int]:

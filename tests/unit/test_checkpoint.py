@@ -14,7 +14,7 @@ from peft import PeftModel
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from ddptrain import checkpoint, export, parallel
+from ddptrain import checkpoint, export, parallel, rng
 from ddptrain.config import to_yaml
 from ddptrain.model import build_model, build_tokenizer
 from ddptrain.trainer import Trainer
@@ -116,12 +116,12 @@ def test_every_random_stream_continues_after_a_restore_from_the_saved_state(tmp_
         torch.rand(1, device="cuda")  # a CUDA stream in use is one capture_rng keeps
     random.gauss(0, 1)  # Python and numpy keep a spare normal: the restore must bring that back too
     np.random.standard_normal()
-    torch.save({"rng": checkpoint.capture_rng(), "step": 3}, tmp_path / checkpoint.STATE)
+    torch.save({"rng": rng.capture_rng(), "step": 3}, tmp_path / checkpoint.STATE)
     expected = draw_from_every_stream()
-    checkpoint.seed_rng(seed=1, rank=0)
+    rng.seed_rng(seed=1, rank=0)
     moved = draw_from_every_stream()
     assert all(moved[k] != expected[k] for k in expected), "reseeding must move every stream, or the test means nothing"
-    checkpoint.restore_rng(checkpoint.load_state(tmp_path)["rng"])
+    rng.restore_rng(checkpoint.load_state(tmp_path)["rng"])
     assert draw_from_every_stream() == expected
 
 
@@ -211,18 +211,45 @@ def test_a_resume_that_would_change_the_data_order_names_the_keys_as_the_user_se
         build_trainer(tmp_path, ["trainer.seed=3", "data.max_length=256", "optim.grad_accum_steps=2"])
 
 
-def test_a_checkpoint_saved_before_per_rank_windows_still_resumes(tmp_path) -> None:
-    """Older checkpoints keep no "windows" (and named the overflow count "skipped"): they resume."""
-    train_and_save(tmp_path, [])
-    folder = checkpoint.newest_complete(tmp_path / "checkpoints")
+def rewrite_as_format_1(folder: Path, windows: list[dict] | None) -> None:
+    """Make ``folder`` a checkpoint as ddptrain wrote them before the manifest said its format: no format_version,
+    no ``sources`` in the data order of a run without a mixture, and the given log windows (None: none kept)."""
     state = checkpoint.load_state(folder)
-    del state["windows"]
+    state.pop("windows", None)
+    if windows is not None:
+        state["windows"] = windows
     torch.save(state, folder / checkpoint.STATE)
     manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    manifest.pop("format_version", None)
+    manifest["data_order"].pop("sources", None)
     (folder / checkpoint.MANIFEST).unlink()
-    checkpoint._write_manifest(folder, {k: v for k, v in manifest.items() if k != "files"})
+    checkpoint._write_manifest(folder, {k: v for k, v in manifest.items() if k != "files"})  # the new state hash
+    rewritten = json.loads((folder / checkpoint.MANIFEST).read_text())
+    rewritten.pop("format_version")  # which _write_manifest puts in
+    (folder / checkpoint.MANIFEST).write_text(json.dumps(rewritten))
+
+
+def test_a_checkpoint_of_format_1_still_resumes(tmp_path) -> None:
+    """Checkpoints written before the format version: they kept no per-rank "windows" at first, named the
+    overflow count "skipped", counted no FLOPs, and kept no "sources" without a mixture. They resume."""
+    train_and_save(tmp_path, [])
+    folder = checkpoint.newest_complete(tmp_path / "checkpoints")
+    written = json.loads((folder / checkpoint.MANIFEST).read_text())
+    assert written["format_version"] == 2 and written["data_order"]["sources"] == [], "what a checkpoint says now"
+    rewrite_as_format_1(folder, windows=None)
     trainer = build_trainer(tmp_path, [])
     assert trainer.step == 2 and trainer.window.steps == 0
     old_window = {"loss_sum": 1.5, "target_tokens": 3, "batch_tokens": [[4, 8]], "skipped": 1, "steps": 1}
-    trainer.window.load_state_dict(old_window)
+    rewrite_as_format_1(folder, windows=[old_window])
+    trainer = build_trainer(tmp_path, [])
     assert trainer.window.overflowed_steps == 1 and trainer.window.batch_tokens == [(4, 8)]
+    assert trainer.window.steps == 1 and trainer.window.flops == 0.0
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_naming_both(tmp_path) -> None:
+    train_and_save(tmp_path, [])
+    folder = checkpoint.newest_complete(tmp_path / "checkpoints")
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    (folder / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
+    with pytest.raises(RuntimeError, match=r"is checkpoint format 3; this ddptrain reads formats 1, 2\. Resume it"):
+        build_trainer(tmp_path, [])
