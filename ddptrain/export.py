@@ -21,8 +21,9 @@ from omegaconf import OmegaConf
 
 from ddptrain import checkpoint
 from ddptrain.config import ModelInit, RunConfig, register_configs
-from ddptrain.model import TORCH_DTYPES, build_tokenizer, point_adapter_at_base
+from ddptrain.model import build_tokenizer, point_adapter_at_base
 from ddptrain.observe.console import quiet_libraries
+from ddptrain.precision import TORCH_DTYPES
 
 
 def locate(source: Path) -> tuple[Path, Path]:

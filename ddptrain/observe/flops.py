@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ddptrain.config import DType
-from ddptrain.model import IGNORE_INDEX
+from ddptrain.data.encode import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
