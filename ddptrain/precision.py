@@ -61,12 +61,8 @@ def _ampere_or_newer(device: torch.device) -> bool:
 
 def use_tf32_matmuls(enabled: bool) -> None:
     """CUDA's fp32 matmuls and convolutions on TF32 tensor cores, or in IEEE fp32."""
-    mode = "tf32" if enabled else "ieee"
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
-        # torch 2.9+: the per-backend API. It leaves oneDNN's CPU matmuls alone, which the legacy
-        # set_float32_matmul_precision("high") would also switch, and mixing the two APIs makes reads raise.
-        torch.backends.cuda.matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-    else:
-        torch.backends.cuda.matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
+    # The long-standing flags, not torch 2.9's per-backend ``fp32_precision``: once that is set for CUDA alone,
+    # torch.get_float32_matmul_precision() raises ("mix of the legacy and new APIs"), and inductor's autotuning and
+    # other libraries call it. Neither touches oneDNN's CPU matmuls, which set_float32_matmul_precision would.
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled

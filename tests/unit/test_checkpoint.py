@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -251,5 +252,6 @@ def test_a_checkpoint_of_a_newer_format_is_refused_naming_both(tmp_path) -> None
     folder = checkpoint.newest_complete(tmp_path / "checkpoints")
     manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
     (folder / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
-    with pytest.raises(RuntimeError, match=r"is checkpoint format 3; this ddptrain reads formats 1, 2\. Resume it"):
+    refused = rf"{re.escape(str(folder))} is checkpoint format 3; this ddptrain reads formats 1, 2\. Resume it"
+    with pytest.raises(RuntimeError, match=refused):
         build_trainer(tmp_path, [])

@@ -45,10 +45,11 @@ def test_an_explicit_precision_is_honoured_on_any_device(explicit) -> None:
 
 @pytest.fixture
 def cuda_matmul_mode():
-    """Restores CUDA's fp32 matmul mode (the settings exist without a GPU)."""
-    matmul, conv = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    """Restores CUDA's fp32 matmul mode (the flags exist without a GPU), set and read through the legacy flags, as
+    the product sets them."""
+    matmul, conv = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     yield
-    torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = matmul, conv
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, conv
 
 
 def gpu(monkeypatch, capability: tuple[int, int], name: str = H100) -> None:
@@ -59,28 +60,30 @@ def gpu(monkeypatch, capability: tuple[int, int], name: str = H100) -> None:
 
 def test_on_an_ampere_gpu_auto_becomes_bf16_and_fp32_matmuls_use_tf32(monkeypatch, cuda_matmul_mode, caplog) -> None:
     gpu(monkeypatch, (9, 0))
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.backends.cuda.matmul.allow_tf32 = False
     with caplog.at_level(logging.INFO, logger="ddptrain.precision"):
         settled = settle_precision(TrainerConfig(), CUDA)
     assert settled.precision == Precision.bf16
-    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
-    assert flops.tf32_matmuls()
+    assert torch.backends.cuda.matmul.allow_tf32 and flops.tf32_matmuls()
+    # What inductor's autotuning and other libraries read: it must still answer (torch raises on mixed APIs).
+    assert torch.get_float32_matmul_precision() == "high"
     assert f"trainer.precision=auto on {H100}: bf16 autocast" in caplog.text
     settle_precision(TrainerConfig(tf32=False), CUDA)  # the key turns it off
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee" and not flops.tf32_matmuls()
+    assert not torch.backends.cuda.matmul.allow_tf32 and not flops.tf32_matmuls()
+    assert torch.get_float32_matmul_precision() == "highest"
 
 
 def test_on_a_gpu_without_bf16_auto_stays_fp32_and_tf32_is_left_alone(monkeypatch, cuda_matmul_mode) -> None:
     gpu(monkeypatch, (7, 0), "Tesla V100-SXM2-16GB")  # Volta: no bf16, no TF32
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.backends.cuda.matmul.allow_tf32 = False
     assert settle_precision(TrainerConfig(), CUDA).precision == Precision.fp32
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert not torch.backends.cuda.matmul.allow_tf32
 
 
 def test_on_the_cpu_auto_is_fp32_and_the_cpu_matmuls_are_not_touched(cuda_matmul_mode) -> None:
-    before = (torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
+    before = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32)
     assert settle_precision(TrainerConfig(), torch.device("cpu")).precision == Precision.fp32
-    assert (torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision) == before
+    assert (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32) == before
 
 
 # ----------------------------------------------------------------------------- the MFU peak
@@ -89,11 +92,11 @@ def test_on_the_cpu_auto_is_fp32_and_the_cpu_matmuls_are_not_touched(cuda_matmul
 def test_bf16_weights_without_autocast_are_measured_against_the_bf16_peak(monkeypatch, cuda_matmul_mode) -> None:
     """model.dtype=bf16 with trainer.precision=fp32: no autocast, but every matmul takes bf16 weights."""
     gpu(monkeypatch, (9, 0))
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.backends.cuda.matmul.allow_tf32 = False
     assert flops.peak_tflops(CUDA, flops.matmul_dtype(DType.fp32, DType.bf16), None) == 989.5
     assert flops.peak_tflops(CUDA, flops.matmul_dtype(DType.bf16, DType.fp32), None) == 989.5
     assert flops.peak_tflops(CUDA, flops.matmul_dtype(DType.fp32, DType.fp32), None) == 67.0
-    torch.backends.cuda.matmul.fp32_precision = "tf32"  # set through torch's new API: read through it too
+    torch.backends.cuda.matmul.allow_tf32 = True
     assert flops.peak_tflops(CUDA, flops.matmul_dtype(DType.fp32, DType.fp32), None) == 494.5
 
 
@@ -171,7 +174,7 @@ def test_dense_attention_over_packed_rows_counts_every_cross_sample_block() -> N
     assert dense_attention_overhead([[100, 100]]) == 2.0
     # Rows of one sample each need what they compute.
     assert dense_attention_overhead([[300], [20]]) == 1.0
-    assert dense_attention_overhead([[100, 100], [300]]) == (200**2 + 300**2) / (2 * 100**2 + 300**2)
+    assert dense_attention_overhead([[100, 100], [300]]) == 130000 / 110000
 
 
 def test_sdpa_with_packing_on_a_gpu_warns_with_its_measured_cost() -> None:
