@@ -56,7 +56,7 @@ class TrainerConfig:
     with a GradScaler; needed by model.dtype=fp16); fp32 = no autocast, matmuls in the weights' dtype."""
     tf32: bool = True
     """fp32 matmuls and convolutions on a CUDA GPU that has TF32 tensor cores (Ampere and newer) run in TF32
-    (torch.backends.cuda.matmul.fp32_precision="tf32"): ~8x the fp32 peak, 10-bit mantissa inputs, fp32
+    (torch.backends.cuda.matmul.allow_tf32): ~8x the fp32 peak, 10-bit mantissa inputs, fp32
     accumulation. false = IEEE fp32 matmuls. No effect on CPU."""
     device: Device = Device.auto
     seed: int = 42
