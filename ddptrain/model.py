@@ -12,6 +12,7 @@ import inspect
 import json
 import logging
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -324,9 +325,14 @@ def attention_cost_warning(attn: Attention, device: torch.device, row_lengths: l
     return None
 
 
-def warn_about_attention_cost(attn: Attention, device: torch.device, row_lengths: list[list[int]]) -> None:
-    """Log ``attention_cost_warning``'s advice once, from rank 0 (every rank's plan tells the same story)."""
-    advice = attention_cost_warning(attn, device, row_lengths)
+def warn_about_attention_cost(
+    attn: Attention, device: torch.device, row_lengths: Callable[[], list[list[int]]]
+) -> None:
+    """Log ``attention_cost_warning``'s advice once, from rank 0 (every rank's plan tells the same story).
+    ``row_lengths`` walks the epoch's plan: only called where there is a choice to advise on (CUDA)."""
+    if device.type != "cuda":
+        return
+    advice = attention_cost_warning(attn, device, row_lengths())
     if advice:
         log.warning(advice, extra={"same_on_all_ranks": True})  # observe.console.RANK_ZERO_ONLY: other ranks stay quiet
 

@@ -57,7 +57,7 @@ class Trainer:
             flash_varlen=wants_varlen_lengths(cfg.model),
         )
         self.sampler, self.loader = self.data.sampler, self.data.loader
-        model.warn_about_attention_cost(cfg.model.attn_implementation, env.device, self.sampler.row_lengths())
+        model.warn_about_attention_cost(cfg.model.attn_implementation, env.device, self.sampler.row_lengths)
         self.comm = parallel.CommCounter()
         self.clock = timing.build_clock(cfg.trainer.timing, env.device, self.comm)  # before DDP: it times the hook
         self.clock.enter("wrap_model")  # a collective (the replicas' checksum): a hang here says so

@@ -13,7 +13,7 @@ import torch
 
 from ddptrain import config, parallel
 from ddptrain.config import ConfigError, DType, Precision, TrainerConfig, resolve_precision
-from ddptrain.model import attention_cost_warning, dense_attention_overhead
+from ddptrain.model import attention_cost_warning, dense_attention_overhead, warn_about_attention_cost
 from ddptrain.observe import flops
 from ddptrain.precision import settle_precision
 from tests.conftest import compose_config
@@ -227,3 +227,19 @@ def test_two_ranks_on_one_gpu_are_refused_before_nccl_would_fail(monkeypatch) ->
         parallel.check_one_rank_per_gpu(env, store)
     store.set("ddptrain/device/rank1", f"{socket.gethostname()} GPU-b")
     parallel.check_one_rank_per_gpu(env, store)  # each its own GPU
+
+
+def test_the_attention_advice_walks_the_plan_only_on_a_gpu(caplog) -> None:
+    """The trainer hands over the sampler's row_lengths; on the CPU there is nothing to advise, so the epoch's
+    plan is not walked at start-up."""
+    walked: list[str] = []
+
+    def rows() -> list[list[int]]:
+        walked.append("plan")
+        return [[100, 100]]
+
+    warn_about_attention_cost(config.Attention.sdpa, torch.device("cpu"), rows)
+    assert walked == []
+    with caplog.at_level(logging.WARNING, logger="ddptrain.model"):
+        warn_about_attention_cost(config.Attention.sdpa, CUDA, rows)
+    assert walked == ["plan"] and "2.0x the attention scores" in caplog.text
