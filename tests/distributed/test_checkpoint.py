@@ -24,7 +24,6 @@ from tests.conftest import (
     compose_config,
     read_metrics,
     read_written_metrics,
-    run_ddptrain,
     run_dirs,
     skip_or_fail,
 )
@@ -67,6 +66,16 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
+def train_in_process(run_dir: Path, overrides: list[str]) -> Path:
+    """A 2-rank run of the real trainer (``launch.worker``) into ``run_dir``, its ranks forked from the session's
+    forkserver: what ``python -m ddptrain`` trains, without a launcher and two workers importing torch (about 10 s
+    here). For the runs whose weights and losses are compared; the tests of the launcher, torchrun, restarts and
+    killed processes run the command line."""
+    run_dir.mkdir(parents=True)
+    launch(compose_config(["parallel=ddp2", *overrides, f"trainer.output_dir={run_dir.parent}"]), run_dir)
+    return run_dir
+
+
 @pytest.mark.parametrize("batching", ["length_grouped", "token_budget", "packed"])
 def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path, batching) -> None:
     """Checkpoints of an uninterrupted run (one per step) are resumed from a mid-epoch step and from the
@@ -79,11 +88,7 @@ def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path,
         f"data.num_workers={1 if batching == 'length_grouped' else 0}",
         f"trainer.max_steps={STEPS_PER_EPOCH + 6}",
     ]
-    full_run = run_ddptrain(
-        [*args, "trainer.save_every_n_steps=1", "trainer.keep_last_n=100", f"trainer.output_dir={tmp_path}/full"]
-    )
-    assert full_run.returncode == 0, full_run.stderr[-3000:]
-    (full,) = run_dirs(tmp_path / "full")
+    full = train_in_process(tmp_path / "full", [*args, "trainer.save_every_n_steps=1", "trainer.keep_last_n=100"])
     reference, ref_losses = final_weights(full), train_losses(full)
     manifests = {
         p: json.loads((p / "manifest.json").read_text())
@@ -93,10 +98,7 @@ def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path,
     first_epoch = [p for p, m in manifests.items() if m["epoch"] == 0]
     assert len(first_epoch) >= 4 and len(first_epoch) < len(manifests), "the run must cross an epoch boundary"
     for resume_from in (first_epoch[len(first_epoch) // 2], first_epoch[-1]):
-        out = tmp_path / f"resumed-{resume_from.name}"
-        resumed = run_ddptrain([*args, f"trainer.resume={resume_from}", f"trainer.output_dir={out}"])
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        (run,) = run_dirs(out)
+        run = train_in_process(tmp_path / f"resumed-{resume_from.name}", [*args, f"trainer.resume={resume_from}"])
         assert_bit_identical(final_weights(run), reference)
         losses = train_losses(run)
         assert min(losses) == manifests[resume_from]["step"] + 1
@@ -176,22 +178,26 @@ TORCHRUN = [
 ]
 
 
+# A worker is killed once step KILL_AFTER_STEP is logged: the restarted group resumes from the checkpoint at step 10
+# (one every 5 steps), retrains the few steps after it and trains on, through the checkpoint at step 15, to
+# RESTART_STEPS, all in the first epoch (600 rows are 37 steps of 16).
+KILL_AFTER_STEP = 12
+RESTART_STEPS = 20
 RESTART_ARGS = [
     *COMMON,
     "data.num_workers=2",
-    "data.max_rows=1200",
-    "trainer.max_steps=60",
+    "data.max_rows=600",
+    f"trainer.max_steps={RESTART_STEPS}",
     "trainer.save_every_n_steps=5",
 ]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted_restart_run(tmp_path_factory) -> Path:
-    """The run both launchers' killed runs must end bit-identical to (trained once for the module)."""
-    out = tmp_path_factory.mktemp("ref")
-    reference = run_ddptrain([*RESTART_ARGS, f"trainer.output_dir={out}"])
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    (ref,) = run_dirs(out)
+    """The run both launchers' killed runs must end bit-identical to (trained once for the module, in this
+    process: what it is compared with is the command line's)."""
+    ref = train_in_process(tmp_path_factory.mktemp("ref") / "run", RESTART_ARGS)
+    assert read_metrics(ref)[-1]["step"] == RESTART_STEPS
     return ref
 
 
@@ -212,7 +218,9 @@ def test_killed_worker_restarts_and_ends_with_the_same_parameters(
             f"parallel.start_method={'forkserver' if launcher.endswith('forkserver') else 'spawn'}",
             f"trainer.output_dir={tmp_path}/run",
         ]
-    killed, returncode, output = signal_workers_mid_run(command, tmp_path / "run", signal.SIGKILL, after_step=12)
+    killed, returncode, output = signal_workers_mid_run(
+        command, tmp_path / "run", signal.SIGKILL, after_step=KILL_AFTER_STEP
+    )
     assert killed, "the run ended before a worker could be killed"
     assert returncode == 0, output[-3000:]
     (run,) = run_dirs(tmp_path / "run")
@@ -302,7 +310,7 @@ def test_two_torchrun_nodes_train_one_run(tmp_path, uninterrupted_restart_run, k
                 dirs = run_dirs(out) if out.exists() else []
                 if dirs and (dirs[0] / "metrics.jsonl").exists():
                     steps = [r["step"] for r in read_written_metrics(dirs[0]) if "loss" in r]
-                    if steps and steps[-1] >= 12:
+                    if steps and steps[-1] >= KILL_AFTER_STEP:
                         for pid in _worker_pids(nodes[1].pid):
                             os.kill(pid, signal.SIGKILL)
                         killed = True
@@ -330,5 +338,5 @@ def test_two_torchrun_nodes_train_one_run(tmp_path, uninterrupted_restart_run, k
     (run,) = run_dirs(out)
     assert_bit_identical(final_weights(run), final_weights(uninterrupted_restart_run))
     assert ("resumed from" in (run / "train.log").read_text()) == kill
-    assert read_metrics(run)[-1]["step"] == 60
+    assert read_metrics(run)[-1]["step"] == RESTART_STEPS
     assert "rank 0 of 2 on cpu" in (run / "train.log").read_text(), "one group of two, across the two agents"

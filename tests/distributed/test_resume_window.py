@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.conftest import read_metrics, run_ddptrain, run_dirs
+from ddptrain.launch import launch
+from tests.conftest import compose_config, read_metrics
 
 pytestmark = pytest.mark.dist
 
 ARGS = [
+    "parallel=ddp2",
     "data.max_rows=400",
     "data.eval_fraction=0",
     "trainer.max_steps=8",
@@ -18,22 +22,22 @@ ARGS = [
 ]
 
 
+def train(run_dir: Path, extra: list[str]) -> Path:
+    """The real trainer on 2 ranks into ``run_dir``, launched in this process (what ``python -m ddptrain`` trains,
+    without its start-up: the ranks fork from the session's forkserver)."""
+    run_dir.mkdir()
+    launch(compose_config([*ARGS, *extra, f"trainer.output_dir={run_dir.parent}"]), run_dir)
+    return run_dir
+
+
 def test_resume_mid_window_logs_the_uninterrupted_loss(tmp_path) -> None:
     """Checkpoints at steps 2 and 6 fall inside the windows that log at steps 4 and 8: each rank's own
     part of the window must come back, not rank 0's on every rank."""
-    full = run_ddptrain(
-        [*ARGS, "trainer.save_every_n_steps=2", "trainer.keep_last_n=10", f"trainer.output_dir={tmp_path}/full"]
-    )
-    assert full.returncode == 0, full.stderr[-3000:]
-    (full_dir,) = run_dirs(tmp_path / "full")
+    full_dir = train(tmp_path / "full", ["trainer.save_every_n_steps=2", "trainer.keep_last_n=10"])
     expected = {r["step"]: r for r in read_metrics(full_dir) if "loss" in r}
     assert sorted(expected) == [4, 8]
 
-    resumed = run_ddptrain(
-        [*ARGS, f"trainer.resume={full_dir}/checkpoints/step-00000006", f"trainer.output_dir={tmp_path}/resumed"]
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (resumed_dir,) = run_dirs(tmp_path / "resumed")
+    resumed_dir = train(tmp_path / "resumed", [f"trainer.resume={full_dir}/checkpoints/step-00000006"])
     (record,) = [r for r in read_metrics(resumed_dir) if "loss" in r]
     assert record["step"] == 8
     for key in ("loss", "target_tokens", "tokens", "padding_fraction", "rank_imbalance", "peak_rank_tokens"):

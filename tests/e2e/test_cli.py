@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,6 @@ from tests.conftest import (
     REPO,
     RUN_TAG,
     assert_no_process_left,
-    processes_mentioning,
     read_metrics,
     requires_shared,
     run_ddptrain,
@@ -71,10 +71,16 @@ def eval_loss_from_saved_adapter(run_dir: Path) -> float:
     return total / tokens
 
 
-def check_training_run(output_dir: Path, result: subprocess.CompletedProcess) -> None:
+def reported_run_dir(result: subprocess.CompletedProcess) -> Path:
+    """The run folder the run's last line names: once, by rank 0 alone."""
     assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = run_dirs(output_dir)  # exactly one run directory for both ranks
-    assert result.stderr.count(f"Results in {run_dir}") == 1, "rank 0, and only rank 0, reports the results"
+    reported = re.findall(r"Results in (\S+)", result.stderr)
+    assert len(reported) == 1, f"rank 0, and only rank 0, reports the results: {reported}"
+    return Path(reported[0])
+
+
+def check_training_run(run_dir: Path, result: subprocess.CompletedProcess) -> None:
+    assert reported_run_dir(result) == run_dir
     check_two_ranks_only_rank0_informs(result.stderr)
     records = read_metrics(run_dir)
     train = [r for r in records if "loss" in r]
@@ -99,27 +105,55 @@ def check_two_ranks_only_rank0_informs(stderr: str) -> None:
     assert not other, f"rank 1 printed lines that are not its WARNING/ERROR log lines: {other[:5]}"
 
 
+# ddp2 × micro-batch 4 × 2 micro-steps = 16 samples per optimizer step.
+GLOBAL_BATCH = ["optim.global_batch_size=16", "data.micro_batch_size=4", "trainer.max_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def runs_started_together(tmp_path_factory, datasets_cache) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """Two self-launched 2-rank runs started at the same moment into one output folder, as a user starting two jobs
+    would: each must find its own free port and make its own run folder. The three tests below read them: one is
+    the Alpaca run, the other sets optim.global_batch_size."""
+    out = tmp_path_factory.mktemp("together")
+    quiet = ["trainer.progress_bar=false", "trainer.save_final=false", "parallel.timeout_s=60"]
+    runs = {
+        "alpaca": alpaca_args(out, datasets_cache),
+        "global_batch": [*GLOBAL_BATCH, *quiet, f"trainer.output_dir={out}"],
+    }
+    with ThreadPoolExecutor(len(runs)) as pool:
+        results = dict(zip(runs, pool.map(run_ddptrain, runs.values())))
+    return out, results
+
+
 @requires_shared
-def test_python_m_ddptrain_self_launches_two_ranks(tmp_path, datasets_cache) -> None:
-    result = run_ddptrain(alpaca_args(tmp_path / "out", datasets_cache))
-    check_training_run(tmp_path / "out", result)
+def test_two_runs_started_together_both_succeed(runs_started_together) -> None:
+    out, results = runs_started_together
+    assert [r.returncode for r in results.values()] == [0, 0], [r.stderr[-3000:] for r in results.values()]
+    dirs = run_dirs(out)
+    assert len(dirs) == 2 and all((d / "metrics.jsonl").is_file() for d in dirs), "one run folder per run"
+    assert {reported_run_dir(r) for r in results.values()} == set(dirs)
+
+
+@requires_shared
+def test_python_m_ddptrain_self_launches_two_ranks(runs_started_together) -> None:
+    _, results = runs_started_together
+    check_training_run(reported_run_dir(results["alpaca"]), results["alpaca"])
+
+
+@requires_shared
+def test_global_batch_size_sets_the_accumulation_of_a_two_rank_run(runs_started_together) -> None:
+    _, results = runs_started_together
+    run_dir = reported_run_dir(results["global_batch"])
+    assert "optim.global_batch_size=16 gives optim.grad_accum_steps=2" in results["global_batch"].stderr
+    assert "grad_accum_steps: 2" in (run_dir / "config.yaml").read_text()
+    assert ", 2 per optimizer step" in (run_dir / "train.log").read_text()
 
 
 @requires_shared
 def test_torchrun_two_ranks(tmp_path, datasets_cache) -> None:
     result = run_ddptrain(alpaca_args(tmp_path / "out", datasets_cache), launcher=TORCHRUN)
-    check_training_run(tmp_path / "out", result)
-
-
-def test_two_runs_started_together_both_succeed(tmp_path) -> None:
-    args = ["trainer.max_steps=3", "trainer.progress_bar=false", "data.max_rows=300", "parallel.timeout_s=60"]
-    args += [f"trainer.output_dir={tmp_path}", "trainer.device=cpu"]
-    command = [sys.executable, "-m", "ddptrain", *args]
-    procs = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
-    outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    dirs = run_dirs(tmp_path)
-    assert len(dirs) == 2 and all((d / "metrics.jsonl").is_file() for d in dirs)
+    (run_dir,) = run_dirs(tmp_path / "out")  # exactly one run directory for both ranks
+    check_training_run(run_dir, result)
 
 
 def test_multirun_gives_each_job_its_own_folder_and_group(tmp_path) -> None:
@@ -231,33 +265,3 @@ def test_multirun_under_torchrun_is_refused(tmp_path) -> None:
     assert "python -m ddptrain -m" in result.stdout + result.stderr
     assert not any(tmp_path.iterdir()), "refused before Hydra made a sweep folder or a job ran"
     assert_no_process_left(marker)
-
-
-def test_assert_no_process_left_sees_processes_of_the_run(tmp_path) -> None:
-    """The helper must see a leftover process by its command line, and a spawned one (whose command line
-    does not show the run's arguments) by the run's tag in its environment."""
-    marker = f"trainer.output_dir={tmp_path}"
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    by_cmdline = subprocess.Popen([*sleeper, marker])
-    by_environ = subprocess.Popen(sleeper, env={**os.environ, RUN_TAG: f"python -m ddptrain {marker}"})
-    try:
-        with pytest.raises(AssertionError, match="processes left behind") as caught:
-            assert_no_process_left(marker)
-        assert f"{by_cmdline.pid}:" in str(caught.value) and f"{by_environ.pid}:" in str(caught.value)
-    finally:
-        for proc in (by_cmdline, by_environ):
-            proc.kill()
-            proc.wait()
-    assert processes_mentioning(marker) == []
-
-
-def test_global_batch_size_sets_the_accumulation_of_a_two_rank_run(tmp_path) -> None:
-    """ddp2 × micro-batch 4 × 2 micro-steps = 16 samples per optimizer step."""
-    overrides = ["optim.global_batch_size=16", "data.micro_batch_size=4", "trainer.max_steps=2"]
-    args = [*overrides, "trainer.progress_bar=false", "trainer.save_final=false", f"trainer.output_dir={tmp_path}"]
-    result = run_ddptrain(args, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "optim.global_batch_size=16 gives optim.grad_accum_steps=2" in result.stderr
-    (run_dir,) = run_dirs(tmp_path)
-    assert "grad_accum_steps: 2" in (run_dir / "config.yaml").read_text()
-    assert ", 2 per optimizer step" in (run_dir / "train.log").read_text()

@@ -5,46 +5,23 @@ and rank 0 alone wrote them."""
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from tests import logger_readers as read
-from tests.conftest import assert_no_process_left, read_metrics, run_ddptrain, run_dirs
+from tests.conftest import read_metrics
+from tests.e2e.conftest import DEBUG_RUN_STEPS, FinishedRun
 
 pytestmark = pytest.mark.e2e
-STEPS = 6
+STEPS = DEBUG_RUN_STEPS
 
 
 @pytest.fixture(scope="module")
-def logged_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One 6-step run of the default tiny job (2 CPU ranks) with all three loggers: the tests below share it."""
-    out = tmp_path_factory.mktemp("loggers")
-    marker = f"loggers-{uuid.uuid4().hex}"  # in the output folder, hence in RUN_TAG of every process
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("WANDB_MODE", "offline")  # the documented way; logger.wandb.mode=offline is tested in unit
-        for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # not the user's home
-            patch.setenv(var, str(out / "wandb-home"))
-        patch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # were W&B to go online, it would fail here
-        start = time.monotonic()
-        result = run_ddptrain(
-            [
-                "trainer=debug",
-                f"trainer.max_steps={STEPS}",
-                "logger=[tensorboard,wandb,mlflow]",
-                "trainer.progress_bar=false",
-                "parallel.timeout_s=60",
-                f"trainer.output_dir={out / marker}",
-            ],
-            timeout=240,
-        )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert time.monotonic() - start < 120, "W&B or MLflow held the run up at start or at close"
-    assert_no_process_left(marker)  # W&B's service process ended with the run
-    (run_dir,) = run_dirs(out / marker)
-    return run_dir
+def logged_run(debug_run: FinishedRun) -> Path:
+    """The session's 6-step run of the default tiny job (2 CPU ranks) with all three loggers (tests/e2e/conftest.py)."""
+    assert debug_run.seconds < 120, "W&B or MLflow held the run up at start or at close"
+    return debug_run.run_dir
 
 
 def run_report(run_dir: Path) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,30 +11,23 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_ddptrain, run_dirs
+from tests.conftest import REPO, read_metrics
+from tests.e2e.conftest import DEBUG_RUN_PROFILED_STEPS, FinishedRun
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def profiled_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("profiled")
-    result = run_ddptrain(
-        [
-            "trainer=debug",
-            "trainer.max_steps=6",
-            "trainer.log_every_n_steps=2",
-            "trainer.profile_steps=[3,5]",
-            "trainer.progress_bar=false",
-            "trainer.save_final=false",
-            "data.eval_fraction=0",
-            "parallel.timeout_s=60",
-            f"trainer.output_dir={out}",
-        ]
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = run_dirs(out)
-    return run_dir, result
+def profiled_run(debug_run: FinishedRun) -> tuple[Path, subprocess.CompletedProcess]:
+    """The session's 6-step run of the default tiny job, profiled on steps 3-5 (tests/e2e/conftest.py)."""
+    assert DEBUG_RUN_PROFILED_STEPS == (3, 5)
+    return debug_run.run_dir, debug_run.result
+
+
+@pytest.fixture
+def run_copy(profiled_run, tmp_path) -> Path:
+    """A copy of the run folder, for a test that rewrites its report (other tests compare loggers with it)."""
+    return Path(shutil.copytree(profiled_run[0], tmp_path / "run"))
 
 
 def step_ranges(events: list[dict]) -> dict[int, tuple[float, float]]:
@@ -73,8 +67,8 @@ def test_every_run_ends_with_a_report_and_a_verdict_on_the_console(profiled_run)
     assert report["summary"]["tokens_per_s"] > 0 and last["tokens_per_s"] > 0
 
 
-def test_diagnose_rewrites_the_report_with_plots_from_the_run_folder(profiled_run) -> None:
-    run_dir, _ = profiled_run
+def test_diagnose_rewrites_the_report_with_plots_from_the_run_folder(run_copy) -> None:
+    run_dir = run_copy
     (run_dir / "report.json").unlink()
     result = subprocess.run(
         [sys.executable, "-m", "ddptrain.diagnose", str(run_dir)], capture_output=True, text=True, cwd=REPO, timeout=120
@@ -87,8 +81,8 @@ def test_diagnose_rewrites_the_report_with_plots_from_the_run_folder(profiled_ru
         assert matplotlib.image.imread(png).size > 0
 
 
-def test_diagnose_what_if_estimates_another_scale(profiled_run) -> None:
-    run_dir, _ = profiled_run
+def test_diagnose_what_if_estimates_another_scale(run_copy) -> None:
+    run_dir = run_copy
     command = [sys.executable, "-m", "ddptrain.diagnose", str(run_dir), "--what-if", "parallel.nproc_per_node=8"]
     result = subprocess.run([*command, "link=nvlink"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -13,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import QWEN2_TOKENIZER, RUN_TAG, processes_mentioning, requires_shared, run_ddptrain
+from tests.conftest import (
+    QWEN2_TOKENIZER,
+    RUN_TAG,
+    assert_no_process_left,
+    processes_mentioning,
+    requires_shared,
+    run_ddptrain,
+)
 
 pytestmark = pytest.mark.e2e
 WALL_LIMIT_S = 30
@@ -48,21 +56,30 @@ def run_marked(args: list[str], tmp_path: Path) -> tuple[str, str, float, int]:
     return result.stdout + result.stderr, marker, elapsed, result.returncode
 
 
-def test_the_leftover_check_sees_a_process_marked_only_in_its_environment() -> None:
-    """The no-process-left-behind checks below can fail: a live process tagged like a spawned worker is found."""
+def test_the_leftover_checks_see_a_process_of_the_run_by_its_command_line_or_its_environment() -> None:
+    """The no-process-left-behind checks (this file's ``processes_left_behind``, conftest's ``assert_no_process_left``)
+    can fail: a live process naming the run on its command line, and one tagged only in its environment as a
+    spawned worker is (its command line does not show the run's arguments), are both found, and killed."""
     marker = f"refusal-{uuid.uuid4().hex}"
-    sleeper = subprocess.Popen(["sleep", "60"], env={**os.environ, RUN_TAG: f"python -m ddptrain {marker}"})
+    by_cmdline = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    by_environ = subprocess.Popen(["sleep", "60"], env={**os.environ, RUN_TAG: f"python -m ddptrain {marker}"})
     try:
         # Popen returns once exec has begun, which can be before the kernel sets up the new environment:
         # /proc/PID/environ may read empty for a moment.
-        environ = Path(f"/proc/{sleeper.pid}/environ")
+        environ = Path(f"/proc/{by_environ.pid}/environ")
         deadline = time.monotonic() + 10
         while marker.encode() not in environ.read_bytes() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert [p.split(":", 1)[0] for p in processes_left_behind(marker, grace_s=0.5)] == [str(sleeper.pid)]
-        assert sleeper.wait(timeout=10) == -signal.SIGKILL
+        with pytest.raises(AssertionError, match="processes left behind") as caught:
+            assert_no_process_left(marker)
+        assert f"{by_cmdline.pid}:" in str(caught.value) and f"{by_environ.pid}:" in str(caught.value)
+        found = sorted(p.split(":", 1)[0] for p in processes_left_behind(marker, grace_s=0.5))
+        assert found == sorted([str(by_cmdline.pid), str(by_environ.pid)])
+        assert by_cmdline.wait(timeout=10) == -signal.SIGKILL and by_environ.wait(timeout=10) == -signal.SIGKILL
     finally:
-        sleeper.kill()
+        for proc in (by_cmdline, by_environ):
+            proc.kill()
+            proc.wait()
     assert not processes_mentioning(marker)
 
 

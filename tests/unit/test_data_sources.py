@@ -7,7 +7,6 @@ import csv
 import json
 import os
 import re
-import shutil
 import socket
 import time
 from pathlib import Path
@@ -16,10 +15,10 @@ import datasets
 import huggingface_hub
 import pytest
 
-from ddptrain.config import ASSETS_DIR, ConfigError
+from ddptrain.config import ConfigError
 from ddptrain.data import load_rows, tokenize_file
 from ddptrain.data.templates import alpaca_prompt
-from tests.conftest import compose_config, read_metrics, run_ddptrain, run_dirs
+from tests.conftest import compose_config
 from tests.unit import test_data
 from tests.unit.test_data import ROWS, data_cfg, ids, write_jsonl
 
@@ -242,57 +241,6 @@ def test_config_refuses_split_and_subset_for_files():
         compose_config(["data.split=test", "data.subset=short"])  # data=tiny_instruct: one .jsonl file
     assert [p.split(" has no effect")[0] for p in info.value.problems] == ["data.split=test", "data.subset=short"]
     assert "Remove data.split" in info.value.problems[0]
-
-
-# ----------------------------------------------------------------------------- end to end
-
-
-def write_source(kind: str, folder: Path) -> str:
-    """The first 400 bundled rows as a glob of two .jsonl files, a Hub-layout folder, or one .csv file."""
-    lines = (ASSETS_DIR / "tiny_instruct.jsonl").read_text().splitlines(keepends=True)[:400]
-    folder.mkdir()
-    if kind == "glob":
-        (folder / "half-1.jsonl").write_text("".join(lines[:200]))
-        (folder / "half-2.jsonl").write_text("".join(lines[200:]))
-        shutil.copy(ASSETS_DIR / "tiny_instruct.jsonl", folder / "ignored.json")  # not matched by *.jsonl
-        return f"{folder}/*.jsonl"
-    rows = [json.loads(line) for line in lines]
-    if kind == "hub-folder":
-        (folder / "data").mkdir()
-        datasets.Dataset.from_list(rows).to_parquet(str(folder / "data" / "train-00000-of-00001.parquet"))
-        return str(folder)
-    with (folder / "rows.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["instruction", "input", "output"])
-        writer.writeheader()
-        writer.writerows(rows)
-    return str(folder / "rows.csv")
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("kind", ["glob", "hub-folder", "csv"])
-def test_a_glob_a_hub_layout_folder_and_a_csv_file_each_train_two_ranks(tmp_path, datasets_cache, kind) -> None:
-    source = write_source(kind, tmp_path / "data")
-    result = run_ddptrain(
-        [
-            f"data.path={source}",
-            "data.eval_fraction=0",
-            f"data.cache_dir={datasets_cache}",
-            "trainer.max_steps=10",
-            "trainer.log_every_n_steps=5",
-            "trainer.progress_bar=false",
-            "trainer.save_final=false",
-            "parallel.timeout_s=60",
-            f"trainer.output_dir={tmp_path / 'out'}",
-        ],
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank 0 of 2 on " in result.stderr
-    assert f"data: 400 training rows, 0 eval rows from {source}" in result.stderr
-    (run_dir,) = run_dirs(tmp_path / "out")
-    train = [r for r in read_metrics(run_dir) if "loss" in r]
-    assert [r["step"] for r in train] == [5, 10]
-    assert all(r["tokens"] > 0 for r in train)
 
 
 def test_csv_columns_are_read_as_text_whatever_they_look_like(tmp_path, datasets_cache) -> None:
