@@ -16,13 +16,13 @@ setup: $(STAMP)
 # torch goes through pip, which honours this machine's pip configuration (a local wheel, an index). The rest through
 # uv, about 10 s where pip took about 80 s on 2 cores (bench/README.md); uv leaves the installed torch alone. Bytecode
 # is compiled at install as pip does: with PYTHONDONTWRITEBYTECODE set, every process would compile it again.
-# Without uv (no registry to fetch it from), pip installs the rest.
+# uv reads no pip.conf (a private index goes in UV_INDEX_URL): where uv cannot be had or cannot install, pip does.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH)" $(TORCH_ARGS)
-	if $(BIN)/python -m pip install -q uv; then \
-		$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[dev]"; \
-	else \
+	if ! { $(BIN)/python -m pip install -q uv && \
+		$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[dev]"; }; then \
+		echo "make setup: uv could not install the project; pip installs it instead"; \
 		$(BIN)/python -m pip install -q -e ".[dev]"; \
 	fi
 	touch $(STAMP)
