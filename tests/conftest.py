@@ -118,6 +118,18 @@ def compose_config(overrides: list[str], config_name: str = "train", config_dir:
         return to_run_config(compose(config_name, overrides=overrides))
 
 
+def train_in_process(run_dir: Path, overrides: list[str]) -> Path:
+    """The run ``python -m ddptrain *overrides`` trains, into ``run_dir`` (made here), launched from this process: its
+    ranks fork from the session's forkserver instead of a launcher and two workers importing torch, transformers and
+    peft (about 10 s on 2 cores). For runs whose results are compared; what the command line itself does (signals,
+    restarts, torchrun, sweeps) is tested on the command line."""
+    from ddptrain.launch import launch  # imports torch: only the tests that train pay for it
+
+    run_dir.mkdir(parents=True)
+    launch(compose_config([*overrides, f"trainer.output_dir={run_dir.parent}"]), run_dir)
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def datasets_cache(tmp_path_factory) -> Path:
     """One datasets cache for the session: hermetic, yet each file is converted only once."""

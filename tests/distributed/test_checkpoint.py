@@ -26,6 +26,7 @@ from tests.conftest import (
     read_written_metrics,
     run_dirs,
     skip_or_fail,
+    train_in_process,
 )
 from tests.distributed.workers import train_recording_dropout_masks
 from tests.distributed.workers_audit import (
@@ -66,21 +67,12 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
-def train_in_process(run_dir: Path, overrides: list[str]) -> Path:
-    """A 2-rank run of the real trainer (``launch.worker``) into ``run_dir``, its ranks forked from the session's
-    forkserver: what ``python -m ddptrain`` trains, without a launcher and two workers importing torch (about 10 s
-    here). For the runs whose weights and losses are compared; the tests of the launcher, torchrun, restarts and
-    killed processes run the command line."""
-    run_dir.mkdir(parents=True)
-    launch(compose_config(["parallel=ddp2", *overrides, f"trainer.output_dir={run_dir.parent}"]), run_dir)
-    return run_dir
-
-
 @pytest.mark.parametrize("batching", ["length_grouped", "token_budget", "packed"])
 def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path, batching) -> None:
     """Checkpoints of an uninterrupted run (one per step) are resumed from a mid-epoch step and from the
     last step of epoch 1; both resumed runs end bit-identical to it, with the same logged losses."""
     args = [
+        "parallel=ddp2",
         *COMMON,
         f"data.batching={batching}",
         "data.max_tokens_per_batch=1024",
@@ -196,7 +188,7 @@ RESTART_ARGS = [
 def uninterrupted_restart_run(tmp_path_factory) -> Path:
     """The run both launchers' killed runs must end bit-identical to (trained once for the module, in this
     process: what it is compared with is the command line's)."""
-    ref = train_in_process(tmp_path_factory.mktemp("ref") / "run", RESTART_ARGS)
+    ref = train_in_process(tmp_path_factory.mktemp("ref") / "run", ["parallel=ddp2", *RESTART_ARGS])
     assert read_metrics(ref)[-1]["step"] == RESTART_STEPS
     return ref
 

@@ -11,8 +11,7 @@ import datasets
 import pytest
 
 from ddptrain.config import ASSETS_DIR
-from ddptrain.launch import launch
-from tests.conftest import compose_config, read_metrics
+from tests.conftest import read_metrics, train_in_process
 
 
 def write_source(kind: str, folder: Path) -> str:
@@ -40,7 +39,8 @@ def write_source(kind: str, folder: Path) -> str:
 @pytest.mark.parametrize("kind", ["glob", "hub-folder", "csv"])
 def test_a_glob_a_hub_layout_folder_and_a_csv_file_each_train_two_ranks(tmp_path, datasets_cache, kind) -> None:
     source = write_source(kind, tmp_path / "data")
-    cfg = compose_config(
+    run_dir = train_in_process(  # the trainer's own worker on the default job's 2 ranks (parallel=ddp2)
+        tmp_path / "run",
         [
             f"data.path={source}",
             "data.eval_fraction=0",
@@ -50,12 +50,8 @@ def test_a_glob_a_hub_layout_folder_and_a_csv_file_each_train_two_ranks(tmp_path
             "trainer.progress_bar=false",
             "trainer.save_final=false",
             "parallel.timeout_s=60",
-            f"trainer.output_dir={tmp_path / 'out'}",
-        ]
+        ],
     )
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    launch(cfg, run_dir)  # the trainer's own worker on the default job's 2 ranks (parallel=ddp2)
     log = (run_dir / "train.log").read_text()
     assert "rank 0 of 2 on " in log
     assert f"data: 400 training rows, 0 eval rows from {source}" in log

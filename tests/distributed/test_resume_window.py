@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from ddptrain.launch import launch
-from tests.conftest import compose_config, read_metrics
+from tests.conftest import read_metrics, train_in_process
 
 pytestmark = pytest.mark.dist
 
@@ -22,22 +19,15 @@ ARGS = [
 ]
 
 
-def train(run_dir: Path, extra: list[str]) -> Path:
-    """The real trainer on 2 ranks into ``run_dir``, launched in this process (what ``python -m ddptrain`` trains,
-    without its start-up: the ranks fork from the session's forkserver)."""
-    run_dir.mkdir()
-    launch(compose_config([*ARGS, *extra, f"trainer.output_dir={run_dir.parent}"]), run_dir)
-    return run_dir
-
-
 def test_resume_mid_window_logs_the_uninterrupted_loss(tmp_path) -> None:
     """Checkpoints at steps 2 and 6 fall inside the windows that log at steps 4 and 8: each rank's own
     part of the window must come back, not rank 0's on every rank."""
-    full_dir = train(tmp_path / "full", ["trainer.save_every_n_steps=2", "trainer.keep_last_n=10"])
+    full_dir = train_in_process(tmp_path / "full", [*ARGS, "trainer.save_every_n_steps=2", "trainer.keep_last_n=10"])
     expected = {r["step"]: r for r in read_metrics(full_dir) if "loss" in r}
     assert sorted(expected) == [4, 8]
 
-    resumed_dir = train(tmp_path / "resumed", [f"trainer.resume={full_dir}/checkpoints/step-00000006"])
+    resume = f"trainer.resume={full_dir}/checkpoints/step-00000006"
+    resumed_dir = train_in_process(tmp_path / "resumed", [*ARGS, resume])
     (record,) = [r for r in read_metrics(resumed_dir) if "loss" in r]
     assert record["step"] == 8
     for key in ("loss", "target_tokens", "tokens", "padding_fraction", "rank_imbalance", "peak_rank_tokens"):

@@ -19,16 +19,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from ddptrain.launch import launch
 from ddptrain.process.signals import ABORTED_EXIT_CODE, REPEAT_WINDOW_S, STOPPED_EXIT_CODE
 from tests.conftest import (
     REPO,
     RUN_TAG,
-    compose_config,
     processes_mentioning,
     read_metrics,
     read_written_metrics,
     run_dirs,
+    train_in_process,
 )
 
 pytestmark = pytest.mark.e2e
@@ -58,20 +57,10 @@ def adapter_weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
-def train_in_process(run_dir: Path, *overrides: str) -> Path:
-    """The run of ``python -m ddptrain *ARGS *overrides`` (the same 2 ranks, parallel=ddp2 being the default), launched
-    from this process: its ranks fork from the session's forkserver instead of importing everything again (about
-    10 s sooner on 2 cores). For the runs whose weights alone are compared; what a signal does to the command
-    line's processes is tested on the real command line."""
-    run_dir.mkdir(parents=True)
-    launch(compose_config([*ARGS, *overrides, f"trainer.output_dir={run_dir.parent}"]), run_dir)
-    return run_dir
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
     """The final adapter of the same run, never stopped."""
-    return adapter_weights(train_in_process(tmp_path_factory.mktemp("uninterrupted") / "run"))
+    return adapter_weights(train_in_process(tmp_path_factory.mktemp("uninterrupted") / "run", ARGS))
 
 
 def children(pid: int) -> list[int]:
@@ -246,7 +235,7 @@ def test_signal_saves_a_checkpoint_and_stops_within_seconds(tmp_path, uninterrup
     if case not in RESUMED_CASES:
         return
 
-    resumed_dir = train_in_process(tmp_path / "resumed" / "run", f"trainer.resume={run_dir}")
+    resumed_dir = train_in_process(tmp_path / "resumed" / "run", [*ARGS, f"trainer.resume={run_dir}"])
     assert min(r["step"] for r in read_metrics(resumed_dir)) == stopped_at + 1
     final = adapter_weights(resumed_dir)
     assert final.keys() == uninterrupted.keys()

@@ -19,16 +19,15 @@ import pytest
 from PIL import Image
 from safetensors.torch import load_file
 
-from ddptrain.launch import launch
 from ddptrain.sweep.report import COLUMNS
 from tests.conftest import (
     REPO,
     RUN_TAG,
     assert_no_process_left,
-    compose_config,
     read_metrics,
     read_written_metrics,
     run_ddptrain,
+    train_in_process,
 )
 
 pytestmark = pytest.mark.e2e
@@ -173,9 +172,7 @@ def reference_adapters(folder: Path) -> list[dict]:
     weights; the sweep that is killed and run again goes through the command line."""
     found = []
     for i, lr in enumerate(LEARNING_RATES):
-        run_dir = folder / f"{i}_optim.lr={lr}"
-        run_dir.mkdir(parents=True)
-        launch(compose_config([*RESUMABLE_RUN, f"optim.lr={lr}", *QUIET, f"trainer.output_dir={folder}"]), run_dir)
+        run_dir = train_in_process(folder / f"{i}_optim.lr={lr}", [*RESUMABLE_RUN, f"optim.lr={lr}", *QUIET])
         found.append(load_file(str(run_dir / "adapter" / "adapter_model.safetensors")))
     return found
 
