@@ -30,11 +30,15 @@ $(STAMP): pyproject.toml
 train: setup  ## the default job: tiny Qwen2 + bundled data, 2 CPU processes
 	$(BIN)/python -m ddptrain $(ARGS)
 
-test: setup  ## the whole suite: unit, 2-process gloo, end-to-end
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+# Two pytest workers (pytest-xdist): the 2-rank tests run in turn on one, the rest beside them on the other
+# (tests/conftest.py, BESIDE_THE_RANKS). TEST_WORKERS=0 runs everything in one process, one test after another.
+TEST_WORKERS ?= 2
 
-test-quick: setup  ## the inner loop: the unit tests only (about 2 minutes on 2 cores)
-	$(BIN)/python -m pytest tests/unit -q $(PYTEST_ARGS)
+test: setup  ## the whole suite: unit, 2-process gloo, end-to-end
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+test-quick: setup  ## the inner loop: the unit tests only (about a minute on 2 cores)
+	$(BIN)/python -m pytest tests/unit -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -42,6 +42,44 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "requires_shared: reads ../shared/data (Alpaca, Qwen2 tokenizer)")
 
 
+# Under `make test` (pytest -n 2, pytest-xdist) two workers share the 2 cores. The tests that train on 2 ranks run in
+# turn on one of them: two 2-rank runs side by side slow each other's lockstep steps more than they gain. The tests
+# below run beside them on the other worker, in the third of the cores the 2-rank runs leave idle (bench/README.md):
+# one process each, or 2-rank runs that mostly wait (for a timeout, a signal, a killed launcher), none timed tightly.
+BESIDE_THE_RANKS = (
+    "tests/unit/",
+    "tests/gpu/",
+    "tests/e2e/test_bench.py",
+    "tests/e2e/test_hangs.py",
+    "tests/distributed/test_slow_saves.py",
+    "tests/distributed/test_start_method.py",
+    "tests/e2e/test_sweeps.py::test_a_killed_sweep_run_again_skips_what_finished_and_resumes_the_rest",
+    "tests/e2e/test_sweeps.py::test_the_optuna_recipe_runs_three_trials_and_the_report_ranks_them",
+    "tests/e2e/test_sweeps.py::test_a_slurm_preset_submits_the_nodes_tasks_and_gpus_of_the_job",
+)
+# Tests whose figures are timings: they run last of the 2-rank tests, once the tests beside them are done.
+TIMED_LAST = ("tests/distributed/test_diagnose_injected.py",)
+IN_TURN = "2-rank tests, in turn"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    items.sort(key=lambda item: item.nodeid.startswith(TIMED_LAST))  # stable: the order is otherwise kept
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: without pytest-xdist it is never called
+def pytest_xdist_make_scheduler(config, log):
+    """pytest -n: the tests outside BESIDE_THE_RANKS form one unit of work, handed to one worker and run in the order
+    collected; the rest are shared out by module. (pytest-xdist's own ``--dist loadgroup`` would do the same from
+    markers, but with pytest 9 the group it adds to a test's id no longer reaches the scheduler.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TwoRankTestsInTurn(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid.split("::")[0] if nodeid.startswith(BESIDE_THE_RANKS) else IN_TURN
+
+    return TwoRankTestsInTurn(config, log)
+
+
 def pytest_runtest_setup(item) -> None:
     if item.get_closest_marker("requires_shared") is None:
         return
