@@ -57,7 +57,8 @@ BESIDE_THE_RANKS = (
     "tests/e2e/test_sweeps.py::test_the_optuna_recipe_runs_three_trials_and_the_report_ranks_them",
     "tests/e2e/test_sweeps.py::test_a_slurm_preset_submits_the_nodes_tasks_and_gpus_of_the_job",
 )
-# Tests whose figures are timings: they run last of the 2-rank tests, once the tests beside them are done.
+# Tests whose figures are timings: they run last of the 2-rank tests, when the tests beside them have usually finished
+# (nothing enforces it: the other worker just has far less to do).
 TIMED_LAST = ("tests/distributed/test_diagnose_injected.py",)
 IN_TURN = "2-rank tests, in turn"
 
