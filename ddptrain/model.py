@@ -354,14 +354,17 @@ def wants_varlen_lengths(cfg: ModelConfig) -> bool:
 def batch_to_device(batch: dict[str, Any], device: torch.device, compiled: bool) -> dict[str, Any]:
     """Tensors to the device; plain numbers (flash-attention's max lengths) stay as they are."""
     moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-    return mark_target_count_dynamic(moved) if compiled else moved
+    return mark_shapes_dynamic(moved) if compiled else moved
 
 
-def mark_target_count_dynamic(batch: dict[str, Any]) -> dict[str, Any]:
-    """For torch.compile: the number of targets changes with every micro-batch. Said up front, dynamo
-    compiles the forward once for any count, instead of specialising on the first and recompiling."""
-    if "target_index" in batch:
-        torch._dynamo.maybe_mark_dynamic(batch["target_index"], 0)
+def mark_shapes_dynamic(batch: dict[str, Any]) -> dict[str, Any]:
+    """For torch.compile: micro-batches differ in rows, length and number of targets. Said up front, dynamo
+    compiles the forward and backward once for any shape, instead of specialising on the first micro-batch and
+    compiling everything again at the second (on 2 CPU ranks that second compile was half of a 3-step run)."""
+    for tensor in batch.values():
+        if torch.is_tensor(tensor):
+            for dim in range(tensor.dim()):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
     return batch
 
 

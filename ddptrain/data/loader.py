@@ -10,8 +10,10 @@ arrives as arguments, so a reader finds every ``data.*`` key on this side.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -167,7 +169,8 @@ def _build_loader(
         generator=torch.Generator().manual_seed(seed),
         # A terminal's Ctrl-C or a scheduler's SIGTERM reaches every process of the job: the
         # loader's workers leave the stop to the training process, which shuts them down.
-        worker_init_fn=signals.ignore_stop_signals,
+        # A rank killed outright takes its workers with it (signals.die_with).
+        worker_init_fn=functools.partial(signals.init_loader_worker, os.getpid()),
     )
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from ddptrain.launch import launch
 from tests.conftest import compose_config, read_metrics
-from tests.distributed.workers_diagnose import BALLAST_BYTES, DELAY_S, SCENARIOS_FILE, train_scenarios
+from tests.distributed.workers_diagnose import BALLAST_BYTES, COMM_DELAY_S, DELAY_S, SCENARIOS_FILE, train_scenarios
 
 pytestmark = pytest.mark.dist
 
@@ -31,10 +31,11 @@ BASE = [
     "parallel.timeout_s=120",
 ]
 STEPS = "trainer.max_steps=16"
+COMM_STEPS = "trainer.max_steps=12"  # 2 windows after the first: each step sleeps COMM_DELAY_S, far above the noise
 # Full packed rows: every micro-batch holds the same number of tokens, so compute per micro-batch is the
 # same at any accumulation and the prediction is judged on what it models, not on which rows came up. Short rows
-# keep compute per micro-batch well under DELAY_S: the communication-bound run then gains about 2x from 4x the
-# accumulation, the compute-bound one little, so that no fixed gain passes both (1024-token rows gave 1.5x).
+# keep compute per micro-batch well under COMM_DELAY_S: the communication-bound run then gains about 3x from 4x the
+# accumulation, the compute-bound one 1.3-1.6x, so that no fixed gain passes both (1024-token rows gave 1.5x).
 PACKED = ["data.batching=packed", "data.max_tokens_per_batch=256", "data.max_length=256"]
 SCENARIOS = {
     # name: (overrides, injection)
@@ -43,8 +44,8 @@ SCENARIOS = {
     "data": ([STEPS], "slow_loader"),
     "untimed": ([STEPS, "trainer.timing=false"], "none"),
     "straggler": ([STEPS], "slow_rank_one"),
-    "comm": ([STEPS, *PACKED], "slow_all_reduce"),
-    "comm_accum4": ([STEPS, *PACKED, "optim.grad_accum_steps=4"], "slow_all_reduce"),
+    "comm": ([COMM_STEPS, *PACKED], "slow_all_reduce"),
+    "comm_accum4": ([COMM_STEPS, *PACKED, "optim.grad_accum_steps=4"], "slow_all_reduce"),
     # The same two without the slow all-reduce: compute-bound, where 4x the accumulation gains little.
     "compute": ([STEPS, *PACKED], "none"),
     "compute_accum4": ([STEPS, *PACKED, "optim.grad_accum_steps=4"], "none"),
@@ -127,7 +128,7 @@ def test_a_slow_rank_is_a_straggler_named_by_its_rank(runs) -> None:
 
 def test_slow_communication_is_diagnosed_and_shows_in_the_comm_column(runs) -> None:
     added = steady(runs / "comm", "time_comm_s") - steady(runs / "plain", "time_comm_s")
-    assert_close(added, DELAY_S, INJECTED_REL, "time_comm_s added by a comm hook sleeping once per step")
+    assert_close(added, COMM_DELAY_S, INJECTED_REL, "time_comm_s added by a comm hook sleeping once per step")
     assert report(runs / "comm")["verdict"] == "communication"
     assert {"optim.grad_accum_steps", "parallel.comm_hook"} <= set(lever_keys(runs / "comm"))
 

@@ -22,7 +22,11 @@ from ddptrain.observe.console import setup_logging
 from ddptrain.observe.flops import ModelFlops
 from ddptrain.trainer import Trainer
 
-DELAY_S = 0.15  # injected per micro-batch (loader, slow rank) or per optimizer step (communication)
+DELAY_S = 0.15  # injected per micro-batch (loader, slow rank)
+# Injected per optimizer step into the all-reduce. Larger than DELAY_S so that the communication-bound run gains far
+# more from 4x the accumulation than the compute-bound one: at 0.15 s a loaded CI run measured gains of 2.62 and
+# 1.58, a ratio under the 1.67 the prediction test needs to tell them apart (a quiet machine: 2.64 and 1.31).
+COMM_DELAY_S = 0.4
 SCENARIOS_FILE = "scenarios.pkl"
 # What rank 1 holds from step 3 on in the plain run (its peak memory must show it): well above the ~0.15 GB by which
 # the ranks' own peaks differed in a CI-like run, where a 300 MiB ballast showed as 0.23 GB, under the 80% asserted.
@@ -57,7 +61,7 @@ def _slow_rank_one(trainer: Trainer, rank: int) -> Callable[[], None]:
 
 
 def _slow_all_reduce(trainer: Trainer, rank: int) -> Callable[[], None]:
-    """The gradient all-reduce takes DELAY_S longer once per optimizer step (at the step's last bucket): half
+    """The gradient all-reduce takes COMM_DELAY_S longer once per optimizer step (at the step's last bucket): half
     while the hook launches it (the autograd thread waits), half before it completes (backward waits for it at
     its end). Both halves are exposed communication, booked by different paths of the step clock."""
     count, average = parallel.ddp._count_bucket, parallel.ddp._average_async
@@ -66,7 +70,7 @@ def _slow_all_reduce(trainer: Trainer, rank: int) -> Callable[[], None]:
     def slow_count(counter: parallel.CommCounter, bucket: Any) -> None:
         last_bucket[:] = [bucket.is_last()]
         if bucket.is_last():
-            time.sleep(DELAY_S / 2)
+            time.sleep(COMM_DELAY_S / 2)
         count(counter, bucket)
 
     def slow_average(tensor: torch.Tensor, counter: parallel.CommCounter) -> torch.futures.Future:
@@ -75,7 +79,7 @@ def _slow_all_reduce(trainer: Trainer, rank: int) -> Callable[[], None]:
             return future
 
         def late(done: torch.futures.Future) -> Any:
-            time.sleep(DELAY_S / 2)
+            time.sleep(COMM_DELAY_S / 2)
             return done.value()
 
         return future.then(late)

@@ -36,17 +36,25 @@ def train_with_rank0_save_held(cfg: RunConfig, run_dir: str, store_port: int | N
 
 
 def train_with_rank0_save_failing(cfg: RunConfig, run_dir: str, store_port: int | None) -> Any:
-    """Rank 0's checkpoint writes fail as on a full disk (``failed_at`` holds when); each rank's error goes to
-    ``error{rank}.txt``."""
+    """Rank 0's checkpoint writes fail as on a full disk (``failed_at`` holds when); the error each rank's training
+    raised goes to ``error{rank}.txt``, as it leaves ``Trainer.fit``. (Written later, after the worker's cleanup,
+    rank 0's was lost once under load: rank 1 had exited first and the agent had SIGTERMed rank 0 mid-cleanup.)"""
     from ddptrain import checkpoint, launch
+    from ddptrain.trainer import Trainer
 
     def full_disk(self: checkpoint.CheckpointWriter, model: Any, state: dict, meta: dict) -> None:
         (Path(run_dir) / "failed_at").write_text(repr(time.time()))
         raise OSError(errno.ENOSPC, "No space left on device (injected by the test)")
 
+    fit = Trainer.fit
+
+    def fit_recording_its_error(self: Trainer) -> Any:
+        try:
+            return fit(self)
+        except Exception as err:
+            (Path(run_dir) / f"error{os.environ['RANK']}.txt").write_text(str(err))
+            raise
+
     checkpoint.CheckpointWriter.save = full_disk
-    try:
-        return launch.worker(cfg, run_dir, store_port)
-    except Exception as err:
-        (Path(run_dir) / f"error{os.environ['RANK']}.txt").write_text(str(err))
-        raise
+    Trainer.fit = fit_recording_its_error
+    return launch.worker(cfg, run_dir, store_port)

@@ -117,7 +117,7 @@ def runs_started_together(tmp_path_factory, datasets_cache) -> tuple[Path, dict[
     out = tmp_path_factory.mktemp("together")
     quiet = ["trainer.progress_bar=false", "trainer.save_final=false", "parallel.timeout_s=60"]
     runs = {
-        "alpaca": alpaca_args(out, datasets_cache),
+        "alpaca": [*alpaca_args(out, datasets_cache), "parallel.start_method=spawn"],  # the shipped default
         "global_batch": [*GLOBAL_BATCH, *quiet, f"trainer.output_dir={out}"],
     }
     with ThreadPoolExecutor(len(runs)) as pool:

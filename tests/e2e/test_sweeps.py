@@ -181,7 +181,9 @@ def test_a_killed_sweep_run_again_skips_what_finished_and_resumes_the_rest(tmp_p
     reference = reference_adapters(tmp_path / "reference")
 
     sweep = tmp_path / "sweep"
-    command = [sys.executable, "-m", "ddptrain", *sweep_args(sweep, *RESUMABLE), "trainer.device=cpu"]
+    # The overrides run_ddptrain gives the rerun below (a sweep run again with other overrides is refused).
+    rerun_args = [*RESUMABLE, "parallel.start_method=forkserver"]
+    command = [sys.executable, "-m", "ddptrain", *sweep_args(sweep, *rerun_args), "trainer.device=cpu"]
     tag = f"resumable-sweep-{os.getpid()}-{time.monotonic_ns()}"
     proc = subprocess.Popen(
         command,
@@ -213,7 +215,7 @@ def test_a_killed_sweep_run_again_skips_what_finished_and_resumes_the_rest(tmp_p
     with (sweep / "report.csv").open() as f:
         assert [(r["job"], r["status"]) for r in csv.DictReader(f)] == [("0", "finished"), ("1", "interrupted")]
 
-    rerun = run_ddptrain(sweep_args(sweep, *RESUMABLE))
+    rerun = run_ddptrain(sweep_args(sweep, *rerun_args))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     first, second, _third = job_dirs(sweep)
     starts = re.findall(r"training 12 steps on 1 ranks, from step (\d+)", (second / "train.log").read_text())

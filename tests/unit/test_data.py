@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -387,3 +390,55 @@ def test_packed_row_carries_flash_attention_varlen_lengths_as_transformers_would
     assert batch["cu_seq_lens_k"].tolist() == cu_k.tolist()
     assert batch["max_length_q"] == batch["max_length_k"] == int(max_q) == int(max_k) == 9
     assert "cu_seq_lens_q" not in Collator(pad_id=0, packed=True)([SAMPLES]), "only for flash_attention_2"
+
+
+def _pid_of_the_worker(rows: list) -> int:
+    return os.getpid()
+
+
+def _rank_with_loader_workers(pids_file: Path) -> None:
+    """A rank's training loader with 2 workers, each of which tells its pid; then the rank waits to be killed."""
+    from types import SimpleNamespace
+
+    from ddptrain.data.loader import _build_loader
+
+    train = datasets.Dataset.from_dict({"input_ids": [[1, 2]] * 4, "labels": [[1, 2]] * 4})
+    batches = [[(i % 4,)] for i in range(64)]
+    env = SimpleNamespace(device=torch.device("cpu"))
+    loader = _build_loader(train, batches, _pid_of_the_worker, num_workers=2, env=env, seed=0)
+    epoch = iter(loader)  # kept: the workers live as long as the epoch's iterator
+    pids = {next(epoch), next(epoch)}  # one micro-batch from each worker, in turn
+    pids_file.write_text(" ".join(map(str, pids)))
+    time.sleep(120)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is still a live process (an exited one nobody reaped yet counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the kernel's parent-death signal is Linux's")
+def test_a_rank_killed_outright_takes_its_loader_workers_with_it(tmp_path) -> None:
+    """A rank SIGKILLed (the OOM killer) must not leave its loader workers running: they hold the pipe by which a
+    self-launch's agent sees the rank exit, and noticed the loss only at their own check, every 5 s, so the agent
+    restarted the group 5 s late."""
+    pids_file = tmp_path / "worker-pids"
+    rank = multiprocessing.get_context("fork").Process(target=_rank_with_loader_workers, args=(pids_file,))
+    rank.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not pids_file.exists() and rank.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        workers = [int(p) for p in pids_file.read_text().split()]
+        assert len(workers) == 2 and os.getpid() not in workers, workers
+        assert all(_running(pid) for pid in workers)
+    finally:
+        rank.kill()
+        rank.join()
+    deadline = time.monotonic() + 2
+    while any(_running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not [pid for pid in workers if _running(pid)], "the killed rank's loader workers outlived it by 2 s"

@@ -237,7 +237,7 @@ def test_a_new_target_count_does_not_recompile_the_compiled_model(tiny, collated
     head recompiled per count until the recompile limit)."""
     from torch._dynamo.utils import counters
 
-    from ddptrain.model import mark_target_count_dynamic
+    from ddptrain.model import mark_shapes_dynamic
 
     model = make_model(replace(tiny, loss_chunk_tokens=8))
     compiled = torch.compile(model, backend="eager")  # dynamo's guards and recompiles, without codegen time
@@ -252,7 +252,7 @@ def test_a_new_target_count_does_not_recompile_the_compiled_model(tiny, collated
             batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
             if collated:  # what the trainer passes
                 rows = [[{"input_ids": ids[r].tolist(), "labels": labels[r].tolist()}] for r in range(2)]
-                batch = mark_target_count_dynamic(Collator(pad_id=0, pad_to_multiple_of=1)(rows))
+                batch = mark_shapes_dynamic(Collator(pad_id=0, pad_to_multiple_of=1)(rows))
             loss_sum, n_tokens = compiled(**batch)
             loss_sum.backward()
             assert n_tokens.item() == 2 * (15 - n_prompt + 1)
@@ -263,6 +263,37 @@ def test_a_new_target_count_does_not_recompile_the_compiled_model(tiny, collated
         torch._dynamo.reset()
         counters.clear()
     assert graphs == [1, 1, 1], f"graphs compiled after each step: {graphs}"
+
+
+def test_a_new_micro_batch_shape_does_not_recompile_the_compiled_model(tiny):
+    """trainer.compile=true: length-grouped and token-budget micro-batches differ in rows and length. The trainer
+    marks their shapes dynamic as it moves them to the device, so dynamo compiles once; unmarked, it specialised on
+    the first micro-batch and compiled again at the second (a second full compile of the forward and backward)."""
+    from torch._dynamo.utils import counters
+
+    from ddptrain.model import batch_to_device
+
+    compiled = torch.compile(make_model(tiny), backend="eager")
+    generator = torch.Generator().manual_seed(7)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        graphs = []
+        for n_rows, length in ((2, 16), (3, 24), (2, 9)):
+            rows = [
+                [{"input_ids": torch.randint(0, 4000, (length,), generator=generator).tolist()}] for _ in range(n_rows)
+            ]
+            for row in rows:
+                row[0]["labels"] = [IGNORE_INDEX] * 2 + row[0]["input_ids"][2:]
+            batch = batch_to_device(Collator(pad_id=0, pad_to_multiple_of=1)(rows), torch.device("cpu"), compiled=True)
+            assert batch["input_ids"].shape == (n_rows, length)
+            loss_sum, _ = compiled(**batch)
+            loss_sum.backward()
+            graphs.append(counters["stats"]["unique_graphs"])
+    finally:
+        torch._dynamo.reset()
+        counters.clear()
+    assert graphs == [1, 1, 1], f"graphs compiled after each micro-batch: {graphs}"
 
 
 def test_full_logits_match_the_transformers_logits(tiny):
