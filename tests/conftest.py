@@ -56,13 +56,7 @@ BESIDE_THE_RANKS = (
     "tests/e2e/test_sweeps.py::test_a_killed_sweep_run_again_skips_what_finished_and_resumes_the_rest",
     "tests/e2e/test_sweeps.py::test_the_optuna_recipe_runs_three_trials_and_the_report_ranks_them",
     "tests/e2e/test_sweeps.py::test_a_slurm_preset_submits_the_nodes_tasks_and_gpus_of_the_job",
-    # Command-line runs whose time goes mostly to starting processes and importing, not to lockstep steps.
-    "tests/e2e/test_refusals.py",
-    "tests/e2e/test_loggers.py",
-    "tests/e2e/test_profile_and_report.py",
 )
-# Modules that read one session-scoped run (tests/e2e/conftest.py::debug_run) go to one worker, which trains it once.
-SHARED_RUN = {"tests/e2e/test_loggers.py": "debug run", "tests/e2e/test_profile_and_report.py": "debug run"}
 # Tests whose figures are timings: they run last of the 2-rank tests, when the tests beside them have usually finished
 # (nothing enforces it: the other worker just has far less to do).
 TIMED_LAST = ("tests/distributed/test_diagnose_injected.py",)
@@ -82,10 +76,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class TwoRankTestsInTurn(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            if not nodeid.startswith(BESIDE_THE_RANKS):
-                return IN_TURN
-            module = nodeid.split("::")[0]
-            return SHARED_RUN.get(module, module)
+            return nodeid.split("::")[0] if nodeid.startswith(BESIDE_THE_RANKS) else IN_TURN
 
     return TwoRankTestsInTurn(config, log)
 
@@ -194,11 +185,12 @@ def run_ddptrain(
     """Run the real entrypoint in a subprocess (``python -m ddptrain`` unless ``launcher`` says otherwise),
     on trainer.device=cpu unless ``args`` set trainer.device.
 
-    A self-launch forks its ranks from a forkserver unless ``args`` set parallel.start_method: the server imports
-    torch, transformers and peft once instead of each spawned rank (6 CPU-seconds less per launch, measured; one
-    sweep's jobs share one server). The shipped default, spawn, is what the signal, hang, restart and start-method
-    tests launch with, and the Alpaca run in test_cli.py sets it."""
-    if launcher is None and not any(str(a).startswith("parallel.start_method=") for a in args):
+    A CPU self-launch forks its ranks from a forkserver unless ``args`` set parallel.start_method: the server
+    imports torch, transformers and peft once instead of each spawned rank (6 CPU-seconds less per launch, measured;
+    one sweep's jobs share one server). The shipped default, spawn, is what the GPU tests (which set trainer.device),
+    the signal, hang, restart and start-method tests launch with, and the Alpaca run in test_cli.py sets it."""
+    chosen = any(str(a).startswith("parallel.start_method=") for a in args)
+    if launcher is None and not chosen and not sets_device(args):
         args = [*args, "parallel.start_method=forkserver"]
     command = (launcher or [sys.executable]) + ["-m", "ddptrain", *pin_device(args)]
     # Every process of the run inherits its command line in the environment, so that

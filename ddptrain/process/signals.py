@@ -310,7 +310,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with(parent_pid: int) -> None:
-    """Linux: the kernel SIGKILLs this forked process the moment ``parent_pid`` (its parent) dies.
+    """Linux: the kernel SIGKILLs this forked process the moment ``parent_pid`` (its parent) dies; strictly, when
+    the thread that forked it ends, which for the loader's workers is the rank's training thread.
 
     A rank killed outright (a SIGKILL, the OOM killer) leaves its forked loader workers behind. They hold the pipe by
     which a self-launch's agent learns that the rank exited, and notice the loss only at their own check, every 5 s:

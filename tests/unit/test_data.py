@@ -408,7 +408,9 @@ def _rank_with_loader_workers(pids_file: Path) -> None:
     loader = _build_loader(train, batches, _pid_of_the_worker, num_workers=2, env=env, seed=0)
     epoch = iter(loader)  # kept: the workers live as long as the epoch's iterator
     pids = {next(epoch), next(epoch)}  # one micro-batch from each worker, in turn
-    pids_file.write_text(" ".join(map(str, pids)))
+    written = pids_file.with_suffix(".partial")
+    written.write_text(" ".join(map(str, pids)))
+    written.replace(pids_file)  # whole or absent: the test reads it as soon as it exists
     time.sleep(120)
 
 

@@ -70,9 +70,11 @@ def dead_pid() -> int:
     return child.pid
 
 
-def failure(tmp_path: Path, rank: int, attempt: int = 0, timed_out: bool = True) -> None:
+def failure(tmp_path: Path, rank: int, attempt: int = 0, timed_out: bool = True, at: float | None = None) -> None:
+    """Rank ``rank``'s failure record, failed ``at`` (default: now, once a dead pid is found; that can take a
+    fraction of a second on a loaded machine)."""
     record = {"rank": rank, "pid": dead_pid(), "host": socket.gethostname(), "attempt": attempt}
-    record.update(error="Timed out waiting 10000ms", timed_out=timed_out, at=time.time())
+    record.update(error="Timed out waiting 10000ms", timed_out=timed_out, at=time.time() if at is None else at)
     (tmp_path / f"rank{rank}.failed").write_text(json.dumps(record))
 
 
@@ -241,7 +243,7 @@ def test_the_report_names_every_ranks_phase_as_of_the_first_failure(tmp_path) ->
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(record))
     (tmp_path / "rank1.stacks.txt").write_text("Thread ...")
     (tmp_path / "rank0.stacks.txt").write_text("")  # opened, never written: not listed
-    failure(tmp_path, rank=0)
+    failure(tmp_path, rank=0, at=now)  # the phases' ages are counted to the failure (CI once saw 12.4 s as 13)
     lines = hangs.where_ranks_were(tmp_path, world_size=3)
     assert lines[0] == "rank 0: backward at step 3 micro-step 0 for 10 s (its collective timed out)"
     assert lines[1] == "rank 1: forward at step 3 micro-step 0 for 12 s"
