@@ -361,8 +361,8 @@ def mark_shapes_dynamic(batch: dict[str, Any]) -> dict[str, Any]:
     """For torch.compile: micro-batches differ in length, in number of targets and, packed, in number of samples:
     the last dimension of each tensor. Said up front, dynamo compiles the forward and backward once for any of them,
     instead of specialising on the first micro-batch and compiling everything again at the second (on 2 CPU ranks
-    that second compile was half of a 3-step run). The rows of a micro-batch stay as automatic dynamic shapes
-    leave them: static while they do not change, as with a fixed data.micro_batch_size."""
+    a test of an eager and a compiled 3-step run went from 80 s to 56 s). The rows of a micro-batch stay as
+    automatic dynamic shapes leave them: static while they do not change, as with a fixed data.micro_batch_size."""
     for tensor in batch.values():
         if torch.is_tensor(tensor) and tensor.dim() > 0:
             torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1)
