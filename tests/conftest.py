@@ -140,16 +140,20 @@ def runs_set_their_device():
         yield
 
 
+def from_forkserver(overrides: list[str]) -> list[str]:
+    """``overrides`` with parallel.start_method=forkserver added, unless they already choose a start method."""
+    if any(str(o).startswith("parallel.start_method=") for o in overrides):
+        return list(overrides)
+    return [*overrides, "parallel.start_method=forkserver"]
+
+
 def compose_config(overrides: list[str], config_name: str = "train", config_dir: Path | None = None) -> RunConfig:
     """Compose and validate a run config as ``python -m ddptrain [--config-dir DIR --config-name NAME]`` does,
     on trainer.device=cpu unless ``overrides`` set trainer.device."""
     register_configs()
-    overrides = pin_device(overrides)
-    if not any(o.startswith("parallel.start_method=") for o in overrides):
-        # Tests that launch in this process fork their ranks from one forkserver that imported the libraries once
-        # for the whole session (about 5 s sooner per launch on 2 cores). run_ddptrain does the same for the
-        # command line.
-        overrides = [*overrides, "parallel.start_method=forkserver"]
+    # Tests that launch in this process fork their ranks from one forkserver that imported the libraries once for the
+    # whole session (about 5 s sooner per launch on 2 cores). run_ddptrain does the same for the command line.
+    overrides = from_forkserver(pin_device(overrides))
     primary_dir = CONF_DIR
     if config_dir is not None:  # like --config-dir: the recipe is primary, conf/ stays on the search path
         primary_dir = str(config_dir)
@@ -189,9 +193,8 @@ def run_ddptrain(
     imports torch, transformers and peft once instead of each spawned rank (6 CPU-seconds less per launch, measured;
     one sweep's jobs share one server). The shipped default, spawn, is what the GPU tests (which set trainer.device),
     the signal, hang, restart and start-method tests launch with, and the Alpaca run in test_cli.py sets it."""
-    chosen = any(str(a).startswith("parallel.start_method=") for a in args)
-    if launcher is None and not chosen and not sets_device(args):
-        args = [*args, "parallel.start_method=forkserver"]
+    if launcher is None and not sets_device(args):
+        args = from_forkserver(args)
     command = (launcher or [sys.executable]) + ["-m", "ddptrain", *pin_device(args)]
     # Every process of the run inherits its command line in the environment, so that
     # assert_no_process_left also finds workers whose own command line does not show it (spawned ones).
