@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -45,7 +49,8 @@ def pytest_configure(config) -> None:
 # Under `make test` (pytest -n 2, pytest-xdist) two workers share the 2 cores. The tests that train on 2 ranks run in
 # turn on one of them: two 2-rank runs side by side slow each other's lockstep steps more than they gain. The tests
 # below run beside them on the other worker, in the third of the cores the 2-rank runs leave idle (bench/README.md):
-# one process each, or 2-rank runs that mostly wait (for a timeout, a signal, a killed launcher), none timed tightly.
+# one process each, 2-rank runs that mostly wait (for a timeout, a signal, a killed launcher), and the compiled run
+# (a minute of torch.compile on a cold cache, as in CI, and a few steps), none timed tightly.
 BESIDE_THE_RANKS = (
     "tests/unit/",
     "tests/gpu/",
@@ -53,12 +58,12 @@ BESIDE_THE_RANKS = (
     "tests/e2e/test_hangs.py",
     "tests/distributed/test_slow_saves.py",
     "tests/distributed/test_start_method.py",
+    "tests/distributed/test_train_step.py::test_compiled_model_computes_the_eager_loss_and_syncs_once_per_step_under",
     "tests/e2e/test_sweeps.py::test_a_killed_sweep_run_again_skips_what_finished_and_resumes_the_rest",
     "tests/e2e/test_sweeps.py::test_the_optuna_recipe_runs_three_trials_and_the_report_ranks_them",
     "tests/e2e/test_sweeps.py::test_a_slurm_preset_submits_the_nodes_tasks_and_gpus_of_the_job",
 )
-# Tests whose figures are timings: they run last of the 2-rank tests, when the tests beside them have usually finished
-# (nothing enforces it: the other worker just has far less to do).
+# Tests whose figures are timings: they run last of the 2-rank tests, with the other worker held still (timed_alone).
 TIMED_LAST = ("tests/distributed/test_diagnose_injected.py",)
 IN_TURN = "2-rank tests, in turn"
 
@@ -79,6 +84,55 @@ def pytest_xdist_make_scheduler(config, log):
             return nodeid.split("::")[0] if nodeid.startswith(BESIDE_THE_RANKS) else IN_TURN
 
     return TwoRankTestsInTurn(config, log)
+
+
+def _timing_lock_paths(config: pytest.Config) -> tuple[Path, Path] | None:
+    """The lock file and the "a timed run is waiting" flag of this pytest -n session, in the folder that holds each
+    worker's temporary folder (None without pytest-xdist: one test at a time has the machine to itself)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return None
+    shared = Path(config.option.basetemp).parent  # pytest-xdist gives each worker --basetemp=<session's>/popen-gwN
+    return shared / "timing.lock", shared / "timing.wanted"
+
+
+TIMED_ALONE_WAIT_S = 300  # pytest's own limit per test: no timed run lasts longer
+
+
+@contextlib.contextmanager
+def timed_alone(config: pytest.Config) -> Iterator[None]:
+    """Hold the tests beside the 2-rank ones still while the body runs: it waits for the test running there to end,
+    and the next one waits for the body. A loaded second worker once slowed one of a pair of runs whose tokens/s the
+    diagnosis test compares (test_diagnose_injected.py, CI of 2026-12-03), failing it."""
+    paths = _timing_lock_paths(config)
+    if paths is None:
+        yield
+        return
+    lock, wanted = paths
+    wanted.touch()
+    try:
+        with lock.open("a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+    finally:
+        wanted.unlink(missing_ok=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test beside the 2-rank ones (its module's fixtures included) waits while a timed run wants the machine, and
+    holds it off while it runs."""
+    paths = _timing_lock_paths(item.config)
+    if paths is None or not item.nodeid.startswith(BESIDE_THE_RANKS):
+        return (yield)
+    lock, wanted = paths
+    # The flag, not the lock alone: flock lets a new shared holder overtake a waiting writer. Bounded, so that a flag
+    # left by a worker killed mid-run cannot stop this one.
+    deadline = time.monotonic() + TIMED_ALONE_WAIT_S
+    while wanted.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        return (yield)
 
 
 def pytest_runtest_setup(item) -> None:

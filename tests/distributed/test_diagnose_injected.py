@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ddptrain.launch import launch
-from tests.conftest import compose_config, read_metrics
+from tests.conftest import compose_config, read_metrics, timed_alone
 from tests.distributed.workers_diagnose import BALLAST_BYTES, COMM_DELAY_S, DELAY_S, SCENARIOS_FILE, train_scenarios
 
 pytestmark = pytest.mark.dist
@@ -62,15 +62,17 @@ TIMED = [name for name in SCENARIOS if name != "untimed"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """All scenarios, trained one after another in one 2-rank process group."""
+def runs(tmp_path_factory, pytestconfig) -> Path:
+    """All scenarios, trained one after another in one 2-rank process group, with nothing running beside them: two
+    runs' tokens/s are compared (the accumulation prediction), so both must see the same machine."""
     root = tmp_path_factory.mktemp("diagnose")
     scenarios = [
         (name, compose_config([*BASE, f"trainer.output_dir={root}", *extra]), injection)
         for name, (extra, injection) in SCENARIOS.items()
     ]
     (root / SCENARIOS_FILE).write_bytes(pickle.dumps(scenarios))
-    launch(scenarios[0][1], root, entrypoint=train_scenarios)
+    with timed_alone(pytestconfig):
+        launch(scenarios[0][1], root, entrypoint=train_scenarios)
     return root
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -108,30 +109,34 @@ def mount_private_view(folder: Path, scratch: Path) -> None:
         raise RuntimeError(f"no overlay on {folder} after mounting it")
 
 
-def _train_in_private_view(cfg, run_dir: str, store_port: int | None, write_as_rank1: bool) -> None:
+# What rank 1 had changed in the run folder when training ended, before it misbehaves (outside the run folder).
+CHANGES_AFTER_TRAINING = "changes-after-training.json"
+
+
+def train_then_write_as_rank1(cfg, run_dir: str, store_port: int | None) -> None:
+    """The real worker; every rank but 0 sees the run folder through its own overlay. When training is over, rank 1
+    records what it had changed so far, then misbehaves: it writes into the run folder with torch.save (C++) and
+    safetensors (Rust), which the check must catch. One run for both checks: nothing rank 1 does after the real
+    worker returned can hide what it did before."""
     rank = int(os.environ["RANK"])  # set by the launcher: known before the process group forms
     if rank != 0:  # before anything in this process touches the run folder
         mount_private_view(Path(run_dir), upper_dir(run_dir, rank))
     from ddptrain.launch import worker
 
     worker(cfg, run_dir, store_port)  # the real body of every rank
-    if write_as_rank1 and rank == 1:
-        import torch
-        from safetensors.torch import save_file
+    if rank != 1:
+        return
+    import torch
+    from safetensors.torch import save_file
 
-        torch.save({"w": torch.ones(2)}, Path(run_dir) / "rank1.pt")  # a new file
-        save_file({"w": torch.ones(2)}, str(Path(run_dir) / "adapter" / "adapter_model.safetensors"))  # rank 0's
-
-
-def train_in_private_view(cfg, run_dir: str, store_port: int | None) -> None:
-    """The real worker; every rank but 0 sees the run folder through its own overlay."""
-    _train_in_private_view(cfg, run_dir, store_port, write_as_rank1=False)
+    (upper_dir(run_dir, rank) / CHANGES_AFTER_TRAINING).write_text(json.dumps(changes_by_rank(run_dir, rank)))
+    torch.save({"w": torch.ones(2)}, Path(run_dir) / "rank1.pt")  # a new file
+    save_file({"w": torch.ones(2)}, str(Path(run_dir) / "adapter" / "adapter_model.safetensors"))  # rank 0's
 
 
-def train_then_write_as_rank1(cfg, run_dir: str, store_port: int | None) -> None:
-    """Like ``train_in_private_view``, then rank 1 misbehaves: it writes into the run folder with
-    torch.save (C++) and safetensors (Rust), which the check must catch."""
-    _train_in_private_view(cfg, run_dir, store_port, write_as_rank1=True)
+def changes_after_training(run_dir: str | Path, rank: int) -> list[str]:
+    """``changes_by_rank`` as rank ``rank`` recorded it when the real worker returned (train_then_write_as_rank1)."""
+    return json.loads((upper_dir(run_dir, rank) / CHANGES_AFTER_TRAINING).read_text())
 
 
 def _probe(scratch: Path) -> None:
