@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -95,7 +96,24 @@ def _timing_lock_paths(config: pytest.Config) -> tuple[Path, Path] | None:
     return shared / "timing.lock", shared / "timing.wanted"
 
 
-TIMED_ALONE_WAIT_S = 300  # pytest's own limit per test: no timed run lasts longer
+# How long a timed run waits for the test beside it to end before it runs anyway (with a warning), and how long a
+# test beside waits for a timed run: both within pytest's 300 s per test.
+TIMED_ALONE_WAIT_S = 120
+
+
+def _lock_within(handle, operation: int, seconds: float) -> bool:
+    """``fcntl.lockf(handle, operation)``, retried for up to ``seconds``; whether the lock was taken. POSIX record
+    locks, not flock: a process forked by a test does not inherit them, and the kernel drops them when the process
+    that took them dies, so no lock outlives its test or its worker."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.lockf(handle, operation | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager
@@ -108,13 +126,12 @@ def timed_alone(config: pytest.Config) -> Iterator[None]:
         yield
         return
     lock, wanted = paths
-    wanted.touch()
-    try:
-        with lock.open("a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            yield
-    finally:
-        wanted.unlink(missing_ok=True)
+    with wanted.open("a+") as flag, lock.open("a+") as handle:
+        fcntl.lockf(flag, fcntl.LOCK_EX)  # from now on no test beside starts
+        if not _lock_within(handle, fcntl.LOCK_EX, TIMED_ALONE_WAIT_S):
+            late = f"a test beside the 2-rank ones still ran after {TIMED_ALONE_WAIT_S} s: timing anyway"
+            warnings.warn(late, stacklevel=3)
+        yield
 
 
 @pytest.hookimpl(wrapper=True)
@@ -125,13 +142,11 @@ def pytest_runtest_protocol(item, nextitem):
     if paths is None or not item.nodeid.startswith(BESIDE_THE_RANKS):
         return (yield)
     lock, wanted = paths
-    # The flag, not the lock alone: flock lets a new shared holder overtake a waiting writer. Bounded, so that a flag
-    # left by a worker killed mid-run cannot stop this one.
-    deadline = time.monotonic() + TIMED_ALONE_WAIT_S
-    while wanted.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    with lock.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_SH)
+    with wanted.open("a+") as flag, lock.open("a+") as handle:
+        # The flag first: a lock alone lets a new shared holder overtake a waiting exclusive one.
+        if _lock_within(flag, fcntl.LOCK_SH, TIMED_ALONE_WAIT_S):
+            fcntl.lockf(flag, fcntl.LOCK_UN)
+        _lock_within(handle, fcntl.LOCK_SH, TIMED_ALONE_WAIT_S)
         return (yield)
 
 

@@ -170,12 +170,12 @@ TORCHRUN = [
 ]
 
 
-# A worker is killed once step KILL_AFTER_STEP is logged: the restarted group resumes from the checkpoint at step 6
-# (one every SAVE_EVERY steps), retrains the few steps after it and trains on, through the checkpoint at step 9, to
-# RESTART_STEPS, all in the first epoch (600 rows are 37 steps of 16). The kill lands two steps before the next
-# checkpoint, so at least one step is trained twice.
-KILL_AFTER_STEP = 7
-SAVE_EVERY = 3
+# A worker is killed once step KILL_AFTER_STEP is logged: the restarted group resumes from the checkpoint at step 4
+# (one every SAVE_EVERY steps), retrains the few steps after it and trains on, through the checkpoint at step 8, to
+# RESTART_STEPS, all in the first epoch (600 rows are 37 steps of 16). Unless the kill lands three steps late (after
+# the checkpoint at step 8), at least one step is trained twice.
+KILL_AFTER_STEP = 5
+SAVE_EVERY = 4
 RESTART_STEPS = 12
 RESTART_ARGS = [
     *COMMON,

@@ -31,12 +31,14 @@ BASE = [
     "parallel.timeout_s=120",
 ]
 STEPS = "trainer.max_steps=16"
+COMPUTE_STEPS = "trainer.max_steps=12"  # 2 windows after the first, of 0.2-0.7 s steps
 COMM_STEPS = "trainer.max_steps=12"  # 2 windows after the first: each step sleeps COMM_DELAY_S, far above the noise
 # Full packed rows: every micro-batch holds the same number of tokens, so compute per micro-batch is the
 # same at any accumulation and the prediction is judged on what it models, not on which rows came up. Short rows
 # keep compute per micro-batch well under COMM_DELAY_S: the communication-bound run then gains about 3x from 4x the
 # accumulation, the compute-bound one 1.3-1.6x, so that no fixed gain passes both (1024-token rows gave 1.5x).
 PACKED = ["data.batching=packed", "data.max_tokens_per_batch=256", "data.max_length=256"]
+PACKED_LONG = ["data.batching=packed", "data.max_tokens_per_batch=1024", "data.max_length=512"]
 SCENARIOS = {
     # name: (overrides, injection)
     # 2 epochs of 9 steps: memory every epoch; rank 1 holds extra memory from step 3 on.
@@ -46,9 +48,14 @@ SCENARIOS = {
     "straggler": ([STEPS], "slow_rank_one"),
     "comm": ([COMM_STEPS, *PACKED], "slow_all_reduce"),
     "comm_accum4": ([COMM_STEPS, *PACKED, "optim.grad_accum_steps=4"], "slow_all_reduce"),
-    # The same two without the slow all-reduce: compute-bound, where 4x the accumulation gains little.
-    "compute": ([STEPS, *PACKED], "none"),
-    "compute_accum4": ([STEPS, *PACKED, "optim.grad_accum_steps=4"], "none"),
+    # Without the slow all-reduce: compute-bound, where 4x the accumulation gains little. Longer packed rows than the
+    # communication runs': at 256 tokens a micro-batch computed in 0.03 s, 8% slower at 4x the accumulation on an
+    # idle machine, and CI's noise on that put the prediction 33% off once. Each run twice, interleaved: the faster of
+    # each pair is compared (noise only slows a run; the same run measured 9,700 and 11,900 tokens/s here, idle).
+    "compute": ([COMPUTE_STEPS, *PACKED_LONG], "none"),
+    "compute_accum4": ([COMPUTE_STEPS, *PACKED_LONG, "optim.grad_accum_steps=4"], "none"),
+    "compute_again": ([COMPUTE_STEPS, *PACKED_LONG], "none"),
+    "compute_accum4_again": ([COMPUTE_STEPS, *PACKED_LONG, "optim.grad_accum_steps=4"], "none"),
 }
 # How far a time column may be from the delay injected into it. A delay booked in another column shows as 0 there,
 # one booked twice as 2x: 40% tells both apart, and leaves room for a loaded 2-core machine (at 20% the straggler
@@ -140,17 +147,24 @@ def predicted_tokens_per_s(run_dir: Path, change: str) -> float:
     return prediction["tokens_per_s"]
 
 
+def fastest(runs: Path, name: str) -> Path:
+    """The run ``name``, or its repeat ``name``_again where there is one, whichever had the more tokens/s."""
+    repeats = [runs / name, *([runs / f"{name}_again"] if (runs / f"{name}_again").is_dir() else [])]
+    return max(repeats, key=lambda run: steady(run, "tokens_per_s"))
+
+
 def test_the_predicted_gain_of_more_accumulation_matches_measured_runs_compute_and_communication_bound(runs) -> None:
     """From a compute-bound run and a communication-bound one, each report predicts the tokens/s of 4x the
     accumulation; each is held to a run measured at 4x. The two gain so differently that no fixed gain is within
     PREDICTED_REL of both (checked here): the prediction must come from the run's own time split."""
     gains = {}
-    for base in ("compute", "comm"):
-        predicted = predicted_tokens_per_s(runs / base, "optim.grad_accum_steps=4")
-        measured = steady(runs / f"{base}_accum4", "tokens_per_s")
-        gains[base] = measured / steady(runs / base, "tokens_per_s")
-        split = {c: round(steady(runs / base, c), 4) for c in ("step_time_s", "time_compute_s", "time_comm_s")}
-        why = f"{base}: predicted {predicted:.0f} tokens/s from {split}, measured {measured:.0f} at 4x"
+    for name in ("compute", "comm"):
+        base, more = fastest(runs, name), fastest(runs, f"{name}_accum4")
+        predicted = predicted_tokens_per_s(base, "optim.grad_accum_steps=4")
+        measured = steady(more, "tokens_per_s")
+        gains[name] = measured / steady(base, "tokens_per_s")
+        split = {c: round(steady(base, c), 4) for c in ("step_time_s", "time_compute_s", "time_comm_s")}
+        why = f"{base.name}: predicted {predicted:.0f} tokens/s from {split}, measured {measured:.0f} at 4x"
         assert abs(predicted - measured) <= PREDICTED_REL * measured, why
     print(f"measured gains of 4x the accumulation: {gains}")
     assert gains["comm"] / gains["compute"] > (1 + PREDICTED_REL) / (1 - PREDICTED_REL), f"measured gains {gains}"
