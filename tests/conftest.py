@@ -51,7 +51,7 @@ def pytest_configure(config) -> None:
 # turn on one of them: two 2-rank runs side by side slow each other's lockstep steps more than they gain. The tests
 # below run beside them on the other worker, in the third of the cores the 2-rank runs leave idle (bench/README.md):
 # one process each, 2-rank runs that mostly wait (for a timeout, a signal, a killed launcher), and the compiled run
-# (a minute of torch.compile on a cold cache, as in CI, and a few steps), none timed tightly.
+# (under a minute of torch.compile on a cold cache, as in CI, then 3 steps), none timed tightly.
 BESIDE_THE_RANKS = (
     "tests/unit/",
     "tests/gpu/",
@@ -119,8 +119,8 @@ def _lock_within(handle, operation: int, seconds: float) -> bool:
 @contextlib.contextmanager
 def timed_alone(config: pytest.Config) -> Iterator[None]:
     """Hold the tests beside the 2-rank ones still while the body runs: it waits for the test running there to end,
-    and the next one waits for the body. A loaded second worker once slowed one of a pair of runs whose tokens/s the
-    diagnosis test compares (test_diagnose_injected.py, CI of 2026-12-03), failing it."""
+    and the next one waits for the body. The diagnosis test compares the tokens/s of runs trained one after another
+    (test_diagnose_injected.py): a test beside them would take cores from some of those runs and not from others."""
     paths = _timing_lock_paths(config)
     if paths is None:
         yield

@@ -36,7 +36,8 @@ COMM_STEPS = "trainer.max_steps=12"  # 2 windows after the first: each step slee
 # Full packed rows: every micro-batch holds the same number of tokens, so compute per micro-batch is the
 # same at any accumulation and the prediction is judged on what it models, not on which rows came up. Short rows
 # keep compute per micro-batch well under COMM_DELAY_S: the communication-bound run then gains about 3x from 4x the
-# accumulation, the compute-bound one 1.3-1.6x, so that no fixed gain passes both (1024-token rows gave 1.5x).
+# accumulation, the compute-bound pair (PACKED_LONG, below) 1.06-1.22x, so that no fixed gain passes both (1024-token
+# rows gave the communication-bound run 1.5x).
 PACKED = ["data.batching=packed", "data.max_tokens_per_batch=256", "data.max_length=256"]
 PACKED_LONG = ["data.batching=packed", "data.max_tokens_per_batch=1024", "data.max_length=512"]
 SCENARIOS = {
