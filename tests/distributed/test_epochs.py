@@ -19,7 +19,7 @@ pytestmark = pytest.mark.dist
 WORLD, MICRO_BATCH, LOG_EVERY = 2, 8, 3
 # Chosen so that token_budget's and packed's plans differ in length between epochs (the test checks
 # it) and a 3-step log window spans each boundary, the case that once crashed with IndexError. Rows cut at 256
-# tokens halve the cost of the modes that pad to a batch's longest row (random: 27 s, then 11 s).
+# tokens cut the cost of the modes that pad to a batch's longest row (random's test: 28.5 s in the suite, then 17.6 s).
 MODES = {
     "random": ["data.max_length=256"],
     "length_grouped": ["data.max_length=256"],
