@@ -14,16 +14,21 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch goes through pip, which honours this machine's pip configuration (a local wheel, an index). The rest through
-# uv, about 10 s where pip took about 80 s on 2 cores (bench/README.md); uv leaves the installed torch alone. Bytecode
-# is compiled at install as pip does: with PYTHONDONTWRITEBYTECODE set, every process would compile it again.
+# uv, about 10 s where pip took about 80 s on 2 cores (bench/README.md); uv leaves the installed torch alone.
 # uv reads no pip.conf (a private index goes in UV_INDEX_URL): where uv cannot be had or cannot install, pip does.
+# Bytecode is compiled at install as pip does: with PYTHONDONTWRITEBYTECODE set, every process would compile what it
+# imports again. That is most of the install's time (measured 60-77 s with it, 34-37 s without): COMPILE_BYTECODE=no
+# skips it, for a run that lets Python write the bytecode of what it imports (.ci/run).
+COMPILE_BYTECODE ?= yes
+UV_BYTECODE := $(if $(filter no,$(COMPILE_BYTECODE)),,--compile-bytecode)
+PIP_BYTECODE := $(if $(filter no,$(COMPILE_BYTECODE)),--no-compile,)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q "$(TORCH)" $(TORCH_ARGS)
+	$(BIN)/python -m pip install -q $(PIP_BYTECODE) "$(TORCH)" $(TORCH_ARGS)
 	if ! { $(BIN)/python -m pip install -q uv && \
-		$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[dev]"; }; then \
+		$(BIN)/uv pip install -q $(UV_BYTECODE) --python $(BIN)/python -e ".[dev]"; }; then \
 		echo "make setup: uv could not install the project; pip installs it instead"; \
-		$(BIN)/python -m pip install -q -e ".[dev]"; \
+		$(BIN)/python -m pip install -q $(PIP_BYTECODE) -e ".[dev]"; \
 	fi
 	touch $(STAMP)
 

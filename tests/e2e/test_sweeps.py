@@ -114,7 +114,9 @@ def test_a_parallel_sweep_of_ddp_jobs_survives_a_failed_job_and_reports_every_jo
     sweep = tmp_path / "sweep"
     paths = ",".join(str(f) for f in files)
     args = ["hydra/launcher=parallel", "hydra.launcher.jobs=2", "parallel=ddp2", f"data.path={paths}"]
-    result = run_ddptrain(sweep_args(sweep, *args, "trainer.max_steps=6", "parallel.timeout_s=60"))
+    result = run_ddptrain(
+        sweep_args(sweep, *args, "trainer.max_steps=3", "data.max_length=128", "parallel.timeout_s=60")
+    )
     assert result.returncode != 0, "a failed job makes the sweep fail"
     output = result.stdout + result.stderr
     assert f"1 of 4 jobs failed: job 2 in {sweep}/2_data.path=" in output, output[-3000:]
@@ -125,7 +127,7 @@ def test_a_parallel_sweep_of_ddp_jobs_survives_a_failed_job_and_reports_every_jo
         assert ("ValueError" in output) == (i == 2), output[-2000:]
         assert (job / "adapter").is_dir() == (i != 2), "every other job finished"
     # Jobs 0 and 1 ran at the same time (hydra.launcher.jobs=2): from its first log line to its last, by each rank 0's
-    # own train.log. Their 6 steps are too short to overlap reliably on a loaded machine; their whole runs are not.
+    # own train.log. Their 3 steps are too short to overlap reliably on a loaded machine; their whole runs are not.
     (a_start, a_end), (b_start, b_end) = (logged_interval(j) for j in jobs[:2])
     assert a_start < b_end and b_start < a_end, (
         f"jobs 0 and 1 ran one after another: {a_start}-{a_end}, {b_start}-{b_end}"
@@ -140,7 +142,7 @@ def test_a_parallel_sweep_of_ddp_jobs_survives_a_failed_job_and_reports_every_jo
         row = by_job[job]
         logged = [r for r in read_metrics(jobs[job]) if "loss" in r][-1]
         assert (
-            row["status"] == "finished" and row["steps"] == "6" and float(row["loss"]) == pytest.approx(logged["loss"])
+            row["status"] == "finished" and row["steps"] == "3" and float(row["loss"]) == pytest.approx(logged["loss"])
         )
         assert float(row["tokens_per_s"]) > 0 and float(row["mem_peak_gb"]) > 0 and float(row["wall_s"]) > 0
     assert "failed: rank " in (sweep / "report.md").read_text()
@@ -277,7 +279,7 @@ def test_a_submitit_job_whose_tasks_are_its_ranks_saves_on_usr2_and_resumes_when
     sweep = tmp_path / "sweep"
     args = ["hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2", "hydra.launcher.timeout_min=5"]
     args += ["parallel=ddp2", "trainer.max_steps=60", "trainer.log_every_n_steps=1"]
-    args += ["data.max_rows=300", "trainer.save_every_n_steps=1000"]
+    args += ["data.max_rows=300", "data.max_length=128", "trainer.save_every_n_steps=1000"]
     command = [sys.executable, "-m", "ddptrain", *sweep_args(sweep, *args), "trainer.device=cpu"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", RUN_TAG: " ".join(command)}
     env.pop("MASTER_PORT", None)
