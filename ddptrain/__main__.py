@@ -8,14 +8,14 @@ import gc
 import json
 import os
 import sys
-from pathlib import Path
 
 import hydra
 
 from ddptrain import launch
 from ddptrain.config import COMMAND_LINE_ENV, register_configs
+from ddptrain.config.hydra import CONF_DIR as _CONF_DIR
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(_CONF_DIR)
 
 # Hydra's task function lives in launch.py: a parallel sweep hands it to the process that runs each job.
 hydra_main = hydra.main(config_path=CONF_DIR, config_name="train", version_base="1.3")(launch.hydra_job)

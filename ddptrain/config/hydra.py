@@ -16,6 +16,8 @@ from omegaconf import OmegaConf
 from ddptrain.config.run import RunConfig
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+"""The shipped config groups (``conf/`` beside the package): ``python -m ddptrain`` and its helper commands."""
 
 
 def _asset(name: str) -> str:

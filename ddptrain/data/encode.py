@@ -8,6 +8,7 @@ import it from here. No torch and no datasets in this module.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,7 +66,7 @@ class RowEncoder:
             )
 
     def turns(self, row: dict[str, Any]) -> Any:
-        """Pieces (alpaca, ChatML) or ``(text, spans to train on, append EOS)``.
+        """Pieces (alpaca, ChatML) or ``(text, spans to train on, indices of the spans an EOS is inserted after)``.
 
         Raises:
             RowError: the row lacks what the template needs.
@@ -75,7 +76,7 @@ class RowEncoder:
             return [format_alpaca(row, c.instruction_field, c.input_field, c.output_field)]
         if c.template == Template.text:
             text = format_text(row, c.text_field)
-            return text, [(0, len(text))], True
+            return text, [(0, len(text))], (0,)
         if c.template == Template.chat:
             messages, field = chat_messages(row, c.messages_field), c.messages_field
         else:
@@ -83,13 +84,17 @@ class RowEncoder:
             field = c.conversations_field
         if self.chat_template is None:
             return chatml_turns(messages, field)
-        text, spans = render_chat(messages, self.render, self.tokenizer.eos_token)
-        return text, spans, False
+        return render_chat(messages, self.render, self.token_ends)
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+
+    def token_ends(self, text: str) -> list[int]:
+        return [
+            end for _, end in self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+        ]
 
     def encode(self, parsed: list[Any]) -> list[tuple[list[int], list[int], bool]]:
         """(input_ids, labels, truncated) per parsed row."""
@@ -116,21 +121,24 @@ class RowEncoder:
         return encoded
 
     def encode_texts(
-        self, items: list[tuple[str, list[tuple[int, int]], bool]]
+        self, items: list[tuple[str, list[tuple[int, int]], tuple[int, ...]]]
     ) -> list[tuple[list[int], list[int], bool]]:
-        """Whole texts tokenized at once; a token is a target when its characters overlap a span."""
+        """Whole texts tokenized at once; a token is a target when its characters overlap a span. An EOS (a target)
+        follows the last token of each span listed as the third item (plain text: the whole text's one span)."""
         tokenized = self.tokenizer(
             [text for text, _, _ in items], add_special_tokens=False, return_offsets_mapping=True
         )
         encoded = []
-        for (_, spans, append_eos), ids, offsets in zip(items, tokenized.input_ids, tokenized.offset_mapping):
+        for (_, spans, eos_after), ids, offsets in zip(items, tokenized.input_ids, tokenized.offset_mapping):
+            ids = list(ids)
             labels = [
                 token if any(start < end_s and start_s < end for start_s, end_s in spans) else IGNORE_INDEX
                 for token, (start, end) in zip(ids, offsets)
             ]
-            if append_eos:
-                ids, labels = [*ids, self.eos_id], [*labels, self.eos_id]
-            encoded.append(self._truncate(list(ids), labels))
+            for at in sorted((_after_span(offsets, spans[k]) for k in eos_after), reverse=True):
+                ids.insert(at, self.eos_id)
+                labels.insert(at, self.eos_id)
+            encoded.append(self._truncate(ids, labels))
         return encoded
 
     def _truncate(self, input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int], bool]:
@@ -165,6 +173,11 @@ class RowEncoder:
         return out
 
 
+def _after_span(offsets: Sequence[tuple[int, int]], span: tuple[int, int]) -> int:
+    """The token position just after ``span``: past every token that starts before the span's end."""
+    return bisect.bisect_left([start for start, _ in offsets], span[1])
+
+
 def resolve_chat_template(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The Jinja chat template that renders chat rows, or None for ChatML pieces (``format_chat``).
 
@@ -181,19 +194,73 @@ def resolve_chat_template(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -
     return Path(cfg.chat_template).expanduser().read_text()  # the config check found the file
 
 
-def log_chat_format(cfg: DataConfig, chat_template: str | None) -> None:
-    """Say (once, on rank 0) how conversations are rendered; warn when ChatML stands in for a missing template."""
+def log_chat_format(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Say (once, on rank 0) how conversations are rendered, warn when ChatML stands in for a missing template, and
+    check that the template's replies end in a way the model can learn to stop (``check_reply_endings``)."""
     if cfg.template not in (Template.chat, Template.sharegpt):
         return
+    chat_template = resolve_chat_template(cfg, tokenizer)
     if chat_template is not None:
         where = "data.chat_template" if cfg.chat_template else "the tokenizer's own chat template"
         log.info("data: conversations rendered with %s", where, extra=RANK_ZERO_ONLY)
+        check_reply_endings(RowEncoder(cfg, tokenizer), where)
     elif cfg.chat_template != "chatml":
         log.warning(
             "data: model.tokenizer has no chat template, so conversations use ChatML (Qwen's format). For "
             "another model family set data.chat_template to its template (a Jinja string or a file).",
             extra=RANK_ZERO_ONLY,
         )
+
+
+# Two replies: the first is followed by another turn, the second ends the conversation; templates often end the
+# two differently (Phi-3 writes the EOS only at the very end).
+PROBE = [
+    {"role": "user", "content": "Hello."},
+    {"role": "assistant", "content": "Hi."},
+    {"role": "user", "content": "Thanks."},
+    {"role": "assistant", "content": "Bye."},
+]
+
+
+def check_reply_endings(encoder: RowEncoder, where: str) -> None:
+    """Render a probe conversation as training will: say when ddptrain appends the EOS to each reply (the template
+    writes nothing after one), and warn when a reply's trained tokens end in a token that is not special (an
+    end-of-turn marker or the EOS): a model trained on them never learns to end its turn."""
+    try:
+        text, spans, eos_after = render_chat(PROBE, encoder.render, encoder.token_ends)
+    except RowError as err:
+        log.debug("data: the reply-ending check could not render its probe conversation: %s", err)
+        return
+    if eos_after:
+        log.info(
+            "data: %s writes nothing after a reply: each reply is trained with the EOS (%s) appended",
+            where,
+            encoder.tokenizer.eos_token,
+            extra=RANK_ZERO_ONLY,
+        )
+    ((ids, labels, _),) = encoder.encode_texts([(text, spans, eos_after)])
+    special = set(encoder.tokenizer.all_special_ids)
+    special |= {i for i, token in encoder.tokenizer.added_tokens_decoder.items() if token.special}
+    for last in _last_targets(ids, labels):
+        if last not in special:
+            log.warning(
+                "data: with %s a reply's trained tokens end in %r, which is no end-of-turn token, so the model will "
+                "not learn to stop. Set data.chat_template to a template that writes the model's end-of-turn token "
+                "after each reply (or data.chat_template=chatml).",
+                where,
+                encoder.tokenizer.decode([last]),
+                extra=RANK_ZERO_ONLY,
+            )
+            return
+
+
+def _last_targets(ids: Sequence[int], labels: Sequence[int]) -> list[int]:
+    """The last token of each unbroken run of targets."""
+    return [
+        token
+        for k, (token, label) in enumerate(zip(ids, labels))
+        if label != IGNORE_INDEX and (k + 1 == len(labels) or labels[k + 1] == IGNORE_INDEX)
+    ]
 
 
 def _no_target(labels: Sequence[int]) -> bool:

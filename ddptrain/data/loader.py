@@ -26,9 +26,11 @@ from ddptrain import parallel
 from ddptrain.config import DataConfig
 from ddptrain.data.batch_cost import ceil_div
 from ddptrain.data.collate import Collator, RowsDataset, build_collator
+from ddptrain.data.encode import RANK_ZERO_ONLY
 from ddptrain.data.mixture import build_datasets
 from ddptrain.data.plan import BatchingSpec
 from ddptrain.data.sampler import DistributedBatchSampler
+from ddptrain.data.show import marked_text
 from ddptrain.parallel import DistEnv
 from ddptrain.process import hangs, signals
 
@@ -85,6 +87,23 @@ class TrainingData:
             yield self.eval_collator([rows[(i,)] for i in shard[start : start + size]])
 
 
+SAMPLE_LOG_TOKENS = 1024  # the start-up log shows at most this much of the first sample
+
+
+def log_first_sample(train: datasets.Dataset, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The first training sample as the model sees it, trained text marked, in the log (rank 0): a template that
+    masks the wrong span shows at once. ``python -m ddptrain.preview`` shows any sample, and the batch plan."""
+    row = train[0]
+    ids, labels = row["input_ids"][:SAMPLE_LOG_TOKENS], row["labels"][:SAMPLE_LOG_TOKENS]
+    more = len(row["input_ids"]) - len(ids)
+    log.info(
+        "data: training row 0 as the model sees it, trained text between [[ and ]]%s:\n%s",
+        f" (its first {SAMPLE_LOG_TOKENS} tokens of {len(row['input_ids'])})" if more else "",
+        marked_text(tokenizer, ids, labels, colour=False),
+        extra=RANK_ZERO_ONLY,
+    )
+
+
 def _loader_start_method(num_workers: int) -> str | None:
     """How the loader's workers start: ``fork`` on Linux, whatever started this rank.
 
@@ -125,6 +144,7 @@ def build_training_data(
     hangs.board.enter("tokenize")  # every rank: local rank 0 tokenizes, the others wait, then read its cache
     with parallel.local_rank_zero_first(env, cfg.prepare_timeout_s, "tokenizing the dataset"):
         data = build_datasets(cfg, tokenizer, seed)
+    log_first_sample(data.train, tokenizer)
     hangs.board.enter("plan_batches")  # back under parallel.timeout_s: the plan check below is a collective
     spec = build_batching_spec(cfg, env.world_size, grad_accum_steps, seed)
     sampler = DistributedBatchSampler(data.train["length"], spec, env.rank, data.epoch_rows)

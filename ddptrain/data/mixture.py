@@ -16,7 +16,7 @@ import datasets
 import numpy as np
 
 from ddptrain.config import DataConfig, SourceConfig
-from ddptrain.data.encode import RANK_ZERO_ONLY, log_chat_format, resolve_chat_template
+from ddptrain.data.encode import RANK_ZERO_ONLY, log_chat_format
 from ddptrain.data.tokenized import TokenizedData, tokenize_file
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def build_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
     """
     if cfg.sources:
         return build_mixture(cfg, tokenizer, seed)
-    log_chat_format(cfg, resolve_chat_template(cfg, tokenizer))
+    log_chat_format(cfg, tokenizer)
     train, stats = tokenize_file(cfg.path, cfg, tokenizer, cfg.max_rows)
     eval_set = None
     if cfg.eval_path is not None:
@@ -86,7 +86,7 @@ def build_mixture(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
     trains, evals, stats = [], [], {}
     for k, source in enumerate(cfg.sources):
         source_cfg = source_data_config(cfg, source)
-        log_chat_format(source_cfg, resolve_chat_template(source_cfg, tokenizer))
+        log_chat_format(source_cfg, tokenizer)
         key = f"data.sources[{k}].path"
         data, source_stats = tokenize_file(source_cfg.path, source_cfg, tokenizer, source_cfg.max_rows, key)
         if len(data) == 0:

@@ -132,79 +132,98 @@ def _with_an_assistant_turn(messages: list[dict[str, str]], field: str) -> list[
 
 Render = Callable[[list[dict[str, str]], bool], str]
 """``render(messages, add_generation_prompt)``: a chat template applied to messages, as text."""
+TokenEnds = Callable[[str], list[int]]
+"""``token_ends(text)``: where each token of ``text`` ends, in characters (the tokenizer's offsets)."""
 
 
 def render_chat(
-    messages: list[dict[str, str]], render: Render, end_of_turn: str | None = None
-) -> tuple[str, list[tuple[int, int]]]:
-    """The whole conversation as the chat template writes it, and the character spans to train on.
+    messages: list[dict[str, str]], render: Render, token_ends: TokenEnds
+) -> tuple[str, list[tuple[int, int]], tuple[int, ...]]:
+    """The whole conversation as the chat template writes it, the character spans to train on, and which of those
+    spans are followed by an EOS that the template does not write (their indices).
 
-    Most templates only append as a conversation grows. Then a reply's span runs from where the
-    template's generation prompt ends (the conversation so far rendered with ``add_generation_prompt``)
-    to the end of the conversation rendered through that reply, trailing whitespace excluded: the
-    reply and the template's end-of-turn token. A reply that opens the conversation starts where its
-    text does (nothing before it is trained on, not even a default system prompt).
+    A reply's span is the reply and whatever the template writes after it before the next turn starts: the text
+    after the reply in the conversation rendered through that reply, as far as the whole conversation agrees with
+    it, trailing whitespace excluded, and cut back to a whole token where the two part in the middle of one
+    (``token_ends``: Phi-3's ``<|endoftext|>`` and ``<|user|>`` share their first characters). So a reply's
+    end-of-turn marker is trained also where the template writes the EOS only at the very end of a conversation
+    (Phi-3: ``<|end|>`` after every reply, the EOS once) or trims the message text (Gemma). Where it writes nothing
+    after a reply, the span's index is returned: the encoder inserts an EOS there, so that the model still learns
+    to stop.
 
-    Some templates rewrite earlier turns as the conversation grows (Mistral v0.3 puts the system
-    message before the last user message; Qwen3 keeps reasoning only in the last turn). For those the
-    user and assistant texts are found in the whole rendering in order, and a reply's span is its
-    text plus ``end_of_turn`` (the tokenizer's EOS) where the template writes it right after.
+    The span starts where the template's generation prompt ends (the conversation so far rendered with
+    ``add_generation_prompt``), when that rendering is where the whole conversation begins. Some templates rewrite
+    earlier turns as the conversation grows (Mistral v0.3 puts the system message before the last user message);
+    there, and for a reply that opens the conversation, the span starts where the reply's text does, found in order
+    after the messages before it (nothing before a reply is trained on, not even a default system prompt).
 
     Raises:
-        RowError: the template rejects the conversation (e.g. roles that do not alternate), or a reply's
-            text cannot be found in the rendering.
+        RowError: the template rejects the conversation (e.g. roles that do not alternate), or a message's text
+            cannot be found in the rendering.
     """
     try:
         full = render(messages, False)
-        spans = _prefix_spans(messages, render, full)
+        spans, eos_after = _reply_spans(messages, render, full, token_ends)
     except RowError:
         raise
     except Exception as err:  # jinja's TemplateError, or raise_exception() inside the template
         raise RowError(f"the chat template refused this conversation: {err}") from None
-    return full, spans if spans is not None else _spans_in_order(messages, full, end_of_turn)
+    return full, spans, eos_after
 
 
-def _prefix_spans(messages: list[dict[str, str]], render: Render, full: str) -> list[tuple[int, int]] | None:
-    """Reply spans of a template that only appends; None when it rewrites an earlier turn."""
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        through = render(messages[: i + 1], False)
-        if i == 0:
-            start = through.find(message["content"].strip())
-            if start < 0:
-                return None
-        else:
-            before = render(messages[:i], True)
-            if not through.startswith(before):
-                return None
-            start = len(before)
-        if not full.startswith(through):
-            return None
-        spans.append((start, len(through.rstrip())))
-    return spans
-
-
-def _spans_in_order(messages: list[dict[str, str]], full: str, end_of_turn: str | None) -> list[tuple[int, int]]:
-    spans, position = [], 0
+def _reply_spans(
+    messages: list[dict[str, str]], render: Render, full: str, token_ends: TokenEnds
+) -> tuple[list[tuple[int, int]], tuple[int, ...]]:
+    spans: list[tuple[int, int]] = []
+    eos_after: list[int] = []
+    position = 0  # where the previous message's text (and a reply's end-of-turn) ended in ``full``
     for i, message in enumerate(messages):
         if message["role"] == "system":  # some templates move it; user and assistant turns keep their order
             continue
+        prompt_end = _generation_prompt_end(messages, i, render, full, position)
         text = message["content"].strip()
-        start = full.find(text, position)
-        if start < 0:
+        found = full.find(text, position if prompt_end is None else prompt_end)
+        if found < 0:
             raise RowError(
                 f"message {i} ({message['role']}) is not in the chat template's rendering of the conversation, so "
                 "its place cannot be found: set data.chat_template to a template that writes every message "
                 "(or data.chat_template=chatml)"
             )
-        position = start + len(text)
-        if message["role"] == "assistant":
-            if end_of_turn and full.startswith(end_of_turn, position):
-                position += len(end_of_turn)
-            spans.append((start, position))
-    return spans
+        position = found + len(text)
+        if message["role"] != "assistant":
+            continue
+        through = render(messages[: i + 1], False)
+        in_through = through.rfind(text)
+        written_after = through[in_through + len(text) :] if in_through >= 0 else ""
+        end_of_turn = _agreed_tokens(written_after, full[position:], token_ends).rstrip()
+        position += len(end_of_turn)
+        spans.append((found if prompt_end is None else prompt_end, position))
+        if not end_of_turn.strip():
+            eos_after.append(len(spans) - 1)
+    return spans, tuple(eos_after)
+
+
+def _generation_prompt_end(
+    messages: list[dict[str, str]], i: int, render: Render, full: str, position: int
+) -> int | None:
+    """Where reply ``i``'s span starts: the end of the generation prompt after the turns before it, when the whole
+    conversation begins with that rendering; None otherwise (the span then starts at the reply's text)."""
+    if messages[i]["role"] != "assistant" or i == 0:
+        return None
+    before = render(messages[:i], True)
+    return len(before) if len(before) >= position and full.startswith(before) else None
+
+
+def _agreed_tokens(written: str, full: str, token_ends: TokenEnds) -> str:
+    """The longest prefix of ``written`` that ``full`` starts with too, ending where a token of ``written`` ends."""
+    n = 0
+    for x, y in zip(written, full):
+        if x != y:
+            break
+        n += 1
+    if n == len(written):
+        return written
+    return written[: max((end for end in token_ends(written) if end <= n), default=0)]
 
 
 def format_text(row: Mapping[str, Any], text_field: str = "text") -> str:

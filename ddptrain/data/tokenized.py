@@ -23,7 +23,7 @@ from ddptrain.data.sampler import EpochRows
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-CACHE_VERSION = "1"  # bump when encoding changes, so old caches are not reused
+CACHE_VERSION = "2"  # bump when encoding changes, so old caches are not reused (2: every reply's end-of-turn)
 
 
 @dataclass

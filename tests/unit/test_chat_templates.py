@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
 from ddptrain.config import DataConfig, Template
 from ddptrain.data import IGNORE_INDEX, RowEncoder, tokenize_file
+from ddptrain.data.encode import log_chat_format
 from ddptrain.data.templates import RowError
 from ddptrain.model import build_tokenizer
 from tests.conftest import QWEN2_TOKENIZER, compose_config, requires_shared, skip_or_fail
@@ -54,6 +56,30 @@ MISTRAL_V3 = (
     "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"
 )
 
+# Phi-3's shape: "<|end|>" after every message, the EOS once at the very end of a conversation without a generation
+# prompt. A reply followed by another turn is therefore not a prefix of the whole conversation.
+PHI3 = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+# Gemma's shape: no system role, the assistant is "model", every message trimmed.
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# Zephyr's shape: the EOS then a newline after every message.
+ZEPHYR = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+# Nothing after a reply: ddptrain inserts the EOS.
+BARE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
 SYSTEM = {"role": "system", "content": "You answer in one line."}
 TURNS = [
     {"role": "user", "content": "Name a prime number."},
@@ -63,6 +89,12 @@ TURNS = [
 ]
 OPENER = {"role": "assistant", "content": "Ask me about primes."}
 CONVERSATIONS = [TURNS, [SYSTEM, *TURNS], [SYSTEM, *TURNS[:2]], [OPENER, *TURNS], [SYSTEM, OPENER, *TURNS[:2]]]
+# Gemma refuses a system message; its template trims what the others write as given.
+PADDED = [
+    {"role": "user", "content": "  Name a prime number.\n"},
+    {"role": "assistant", "content": " Seven is prime. \n"},
+]
+NO_SYSTEM = [TURNS, [OPENER, *TURNS], PADDED]
 
 
 def with_template(template: str, bos: str, eos: str, special: list[str]):
@@ -83,8 +115,20 @@ def family(name: str):
     if name in ("llama3", "llama3.1"):
         template = LLAMA3 if name == "llama3" else LLAMA31
         return with_template(template, "<|begin_of_text|>", "<|eot_id|>", llama_special), "{}<|eot_id|>"
+    roles = ["<|system|>", "<|user|>", "<|assistant|>"]
+    if name == "phi3":
+        return with_template(PHI3, "<s>", "<|endoftext|>", [*roles, "<|end|>"]), "{}<|end|>"
+    if name == "gemma":
+        return with_template(GEMMA, "<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"]), "{}<end_of_turn>"
+    if name == "zephyr":
+        return with_template(ZEPHYR, "<s>", "</s>", roles), "{}</s>"
     template = MISTRAL if name == "mistral" else MISTRAL_V3
     return with_template(template, "<s>", "</s>", ["[INST]", "[/INST]"]), " {}</s>"
+
+
+# What a template writes after the conversation's last reply, beyond how it ends every reply (its trained span
+# runs to the conversation's end, trailing whitespace excluded).
+LAST_REPLY_END = {"phi3": "\n<|endoftext|>"}
 
 
 def target_runs(ids: list[int], labels: list[int], tokenizer) -> list[str]:
@@ -112,18 +156,61 @@ def encode_file(tmp_path: Path, cache: Path, tokenizer, rows: list[dict], **sett
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param("qwen2", marks=requires_shared), "llama3", "llama3.1", "mistral", "mistral-v0.3"]
+    "name",
+    [
+        pytest.param("qwen2", marks=requires_shared),
+        *("llama3", "llama3.1", "mistral", "mistral-v0.3", "phi3", "gemma", "zephyr"),
+    ],
 )
 def test_training_ids_are_the_templates_and_only_assistant_replies_are_trained(name, tmp_path, datasets_cache):
+    """Each reply's targets are the reply and the template's end-of-turn text after it (Phi-3's ``<|end|>`` too,
+    though its EOS comes only at the end of the conversation), however the template writes the message."""
     tokenizer, reply_end = family(name)
-    rows = [{"messages": messages} for messages in CONVERSATIONS]
+    conversations = NO_SYSTEM if name == "gemma" else CONVERSATIONS
+    rows = [{"messages": messages} for messages in conversations]
     data, stats = encode_file(tmp_path, datasets_cache, tokenizer, rows, template=Template.chat)
-    assert stats["skipped_bad"] == 0 and len(data) == len(CONVERSATIONS)
-    for messages, row in zip(CONVERSATIONS, data):
+    assert stats["skipped_bad"] == 0 and len(data) == len(conversations)
+    for messages, row in zip(conversations, data):
         expected_ids = tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
         assert row["input_ids"] == expected_ids, "training ids differ from the model's own chat format"
-        replies = [reply_end.format(m["content"]) for m in messages if m["role"] == "assistant"]
+        replies = [reply_end.format(m["content"].strip()) for m in messages if m["role"] == "assistant"]
+        replies[-1] += LAST_REPLY_END.get(name, "")
         assert target_runs(row["input_ids"], row["labels"], tokenizer) == replies
+
+
+def test_a_template_that_writes_nothing_after_a_reply_gets_the_eos_inserted_and_says_so(
+    tmp_path, datasets_cache, caplog
+):
+    tokenizer = with_template(BARE, "<s>", "</s>", [])
+    rows = [{"messages": messages} for messages in CONVERSATIONS]
+    data, _ = encode_file(tmp_path, datasets_cache, tokenizer, rows, template=Template.chat)
+    eos = tokenizer.eos_token_id
+    for messages, row in zip(CONVERSATIONS, data):
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        # Each reply's last token here is ".\n" (one token): trained whole, then the inserted EOS.
+        assert target_runs(row["input_ids"], row["labels"], tokenizer) == [f" {r}\n</s>" for r in replies]
+        without_eos = [token for token in row["input_ids"] if token != eos]
+        assert without_eos == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+        assert row["input_ids"].count(eos) == len(replies), "one EOS per reply, nothing else added"
+    with caplog.at_level(logging.INFO, logger="ddptrain.data"):
+        log_chat_format(DataConfig(path="unused.jsonl", template=Template.chat), tokenizer)
+    assert "writes nothing after a reply: each reply is trained with the EOS (</s>) appended" in caplog.text
+    assert "no end-of-turn token" not in caplog.text
+
+
+def test_a_reply_that_ends_in_plain_text_is_warned_about_and_a_proper_ending_is_not(caplog):
+    plain = BARE.replace("message['content'] + '\n'", "message['content'] + ' [END]\n'")
+    assert plain != BARE
+    cfg = DataConfig(path="unused.jsonl", template=Template.chat)
+    with caplog.at_level(logging.INFO, logger="ddptrain.data"):
+        log_chat_format(cfg, with_template(plain, "<s>", "</s>", []))
+    assert "with the tokenizer's own chat template a reply's trained tokens end in" in caplog.text
+    assert "which is no end-of-turn token, so the model will not learn to stop" in caplog.text
+    for name in ("phi3", "gemma", "mistral-v0.3"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ddptrain.data"):
+            log_chat_format(cfg, family(name)[0])
+        assert "no end-of-turn token" not in caplog.text and "nothing after a reply" not in caplog.text, name
 
 
 def test_sharegpt_rows_train_like_the_same_conversation_in_messages(tmp_path, datasets_cache):
@@ -146,8 +233,8 @@ def test_sharegpt_field_names_are_configurable_and_unknown_speakers_are_named():
         path="unused.jsonl", template=Template.sharegpt, conversations_field="c", role_field="who", content_field="t"
     )
     encoder = RowEncoder(cfg, tokenizer)
-    text, spans, append_eos = encoder.turns({"c": [{"who": "human", "t": "Hi"}, {"who": "gpt", "t": "Hello"}]})
-    assert [text[a:b] for a, b in spans] == ["Hello<|eot_id|>"] and not append_eos
+    text, spans, eos_after = encoder.turns({"c": [{"who": "human", "t": "Hi"}, {"who": "gpt", "t": "Hello"}]})
+    assert [text[a:b] for a, b in spans] == ["Hello<|eot_id|>"] and not eos_after
     with pytest.raises(RowError, match=r"turn 1 of 'c' is by 'bot'"):
         encoder.turns({"c": [{"who": "human", "t": "Hi"}, {"who": "bot", "t": "Hello"}]})
 

@@ -1,0 +1,181 @@
+"""``python -m ddptrain.preview [--n N | --rows 3,17,40] [--html FILE] [overrides]``: see what a run trains on.
+
+One process, no workers. The run's config is composed from the same overrides as ``python -m ddptrain`` (and checked
+the same way), its data tokenized through the same cache a run uses. For each chosen sample of the training set
+(after the eval split) it prints the text as the model sees it with the trained tokens marked (green on a terminal,
+``[[...]]`` otherwise), its token and trained counts, whether it reaches ``data.max_length`` and, in a mixture, its
+source; then the batch plan of epoch 0: micro-batches, padding and the rank imbalance. ``--html FILE`` writes the
+samples as a page (trained tokens highlighted, each token's id and text on hover).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ddptrain.config import ConfigError, RunConfig, register_configs, to_run_config
+from ddptrain.config.hydra import CONF_DIR
+from ddptrain.config.run import resolve_global_batch_size
+
+if TYPE_CHECKING:
+    from ddptrain.data.tokenized import TokenizedData
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddptrain.preview",
+        description="Show tokenized training samples with the trained tokens marked, and the batch plan. Any other "
+        "argument is a Hydra override, as for python -m ddptrain.",
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--n", type=int, default=3, help="show the first N samples of the training set (default 3)")
+    which.add_argument("--rows", help="show these samples of the training set, e.g. 3,17,40")
+    parser.add_argument("--html", type=Path, help="also write the samples as an HTML page to this file")
+    parser.add_argument("--plain", action="store_true", help="mark trained text with [[ ]] even on a terminal")
+    parser.add_argument("--world-size", type=int, help="ranks to plan batches for (default parallel.nproc_per_node)")
+    parser.add_argument("--config-dir", type=Path, help="a recipe folder, as for python -m ddptrain")
+    parser.add_argument("--config-name", default="train", help="the config in --config-dir (default train)")
+    return parser
+
+
+def compose_run_config(overrides: list[str], config_dir: Path | None, config_name: str) -> RunConfig:
+    """The run config ``python -m ddptrain [--config-dir DIR --config-name NAME] *overrides`` would train with.
+
+    Raises:
+        ConfigError: the overrides do not make a valid run.
+    """
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    primary = CONF_DIR
+    if config_dir is not None:  # like --config-dir: the recipe is primary, conf/ stays on the search path
+        primary = config_dir.resolve()
+        overrides = [*overrides, f"hydra.searchpath=[file://{CONF_DIR}]"]
+    with initialize_config_dir(str(primary), version_base="1.3"):
+        return to_run_config(compose(config_name, overrides=overrides))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, overrides = parser.parse_known_args(argv)
+    flags = [o for o in overrides if o.startswith("-")]
+    if flags:
+        parser.error(f"unknown option {flags[0]}: options are listed by --help, the rest are Hydra overrides")
+    try:
+        cfg = compose_run_config(overrides, args.config_dir, args.config_name)
+    except ConfigError as err:
+        print(f"ddptrain.preview: invalid configuration:\n{err}", file=sys.stderr)
+        return 2
+    world_size = args.world_size or cfg.parallel.nproc_per_node or 1
+    try:
+        cfg = resolve_global_batch_size(cfg, world_size)
+    except ConfigError as err:
+        print(f"ddptrain.preview: invalid configuration:\n{err}", file=sys.stderr)
+        return 2
+    _log_data_side_to_stderr()
+    from ddptrain.data.mixture import build_datasets  # torch, transformers, datasets: after the config check
+    from ddptrain.model import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg.model)
+    data = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+    try:
+        rows = chosen_rows(args.rows, args.n, len(data.train))
+    except ValueError as err:
+        parser.error(str(err))
+    colour = not args.plain and sys.stdout.isatty() and "NO_COLOR" not in os.environ
+    samples = show_samples(cfg, tokenizer, data, rows, colour)
+    print(plan_summary(cfg, data, world_size))
+    if args.html is not None:
+        args.html.write_text(_page(cfg, tokenizer, samples))
+        print(f"\nwrote {args.html}")
+    return 0
+
+
+def chosen_rows(rows: str | None, n: int, size: int) -> list[int]:
+    """The training-set indices to show: ``rows`` (comma-separated) or the first ``n``.
+
+    Raises:
+        ValueError: an index that is not a number or not in the training set.
+    """
+    if rows is None:
+        return list(range(min(n, size)))
+    try:
+        chosen = [int(r) for r in rows.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--rows {rows}: give row numbers separated by commas, e.g. --rows 3,17,40") from None
+    outside = [r for r in chosen if not 0 <= r < size]
+    if outside:
+        raise ValueError(f"--rows {rows}: the training set has rows 0 to {size - 1}; {outside[0]} is not one")
+    return chosen
+
+
+def show_samples(cfg: RunConfig, tokenizer, data: TokenizedData, rows: list[int], colour: bool) -> list[tuple]:
+    """Print each chosen sample; return ``(heading, input_ids, labels)`` for the HTML page."""
+    from ddptrain.data.show import describe, marked_text
+
+    sources = [s.path for s in cfg.data.sources] if cfg.data.sources else None
+    samples = []
+    for i in rows:
+        row = data.train[i]
+        heading = f"training row {i} · {describe(row, cfg.data.max_length, sources)}"
+        print(f"── {heading}\n{marked_text(tokenizer, row['input_ids'], row['labels'], colour)}\n")
+        samples.append((heading, row["input_ids"], row["labels"]))
+    return samples
+
+
+def plan_summary(cfg: RunConfig, data: TokenizedData, world_size: int) -> str:
+    """Epoch 0's batch plan as the sampler makes it on each rank: micro-batches, samples, tokens, padding, the
+    costliest micro-batch, and how unevenly the ranks are loaded."""
+    from ddptrain.data.loader import build_batching_spec
+    from ddptrain.data.plan import micro_batch_cost
+    from ddptrain.data.sampler import DistributedBatchSampler
+
+    lengths = data.train["length"]
+    spec = build_batching_spec(cfg.data, world_size, cfg.optim.grad_accum_steps, cfg.trainer.seed)
+    lines = [
+        f"batch plan, epoch 0: data.batching={cfg.data.batching.value}, {world_size} rank(s), "
+        f"{cfg.optim.grad_accum_steps} micro-batch(es) per optimizer step",
+        f"{'rank':>6} {'micro-batches':>14} {'samples':>8} {'tokens':>9} {'padded':>9} {'padding':>8} "
+        f"{'costliest':>10}",
+    ]
+    padded_per_rank, dropped = [], 0
+    for rank in range(world_size):
+        sampler = DistributedBatchSampler(lengths, spec, rank, data.epoch_rows)
+        costs = [micro_batch_cost(batch, lengths, spec) for batch in sampler]
+        samples = sum(len(row) for batch in sampler for row in batch)
+        real, padded = sum(c[0] for c in costs), sum(c[1] for c in costs)
+        padding = 1 - real / padded if padded else 0.0
+        costliest = max(c[1] for c in costs)
+        lines.append(f"{rank:>6} {len(costs):>14} {samples:>8} {real:>9} {padded:>9} {padding:>8.1%} {costliest:>10}")
+        padded_per_rank.append(padded)
+        dropped = sampler.dropped
+    imbalance = max(padded_per_rank) / (sum(padded_per_rank) / world_size)
+    lines.append(
+        f"rank imbalance {imbalance:.3f} (the busiest rank's padded tokens over the mean); "
+        f"{dropped} sample(s) left out of this epoch; 'costliest' is a rank's largest micro-batch in padded tokens"
+    )
+    return "\n".join(lines)
+
+
+def _page(cfg: RunConfig, tokenizer, samples: list[tuple]) -> str:
+    from ddptrain.data.show import html_page
+
+    source = cfg.data.path if not cfg.data.sources else f"{len(cfg.data.sources)} sources"
+    return html_page(f"ddptrain preview: {source} (data.template={cfg.data.template.value})", samples, tokenizer)
+
+
+def _log_data_side_to_stderr() -> None:
+    """The data side's own lines (rows read, truncation, how conversations are rendered and trained) on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("ddptrain")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""``python -m ddptrain.preview``: the samples as the model sees them, trained tokens marked where the labels say.
+
+The oracle is the tokenized rows a run trains on (``build_datasets`` on the same config): the marked text must
+show exactly the runs of tokens whose label is not IGNORE_INDEX, and the HTML page one element per token, marked
+the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from ddptrain import preview
+from ddptrain.config.hydra import ASSETS_DIR
+from ddptrain.data import IGNORE_INDEX
+from ddptrain.data.mixture import build_datasets
+from ddptrain.model import build_tokenizer
+from tests.conftest import compose_config
+
+# A ChatML-shaped template the bundled tokenizer can render: the chat rows go through the chat-template path.
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chat_rows(n: int) -> list[dict]:
+    return [json.loads(line) for line in (ASSETS_DIR / "tiny_chat.jsonl").read_text().splitlines()[:n]]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def data_overrides(kind: str, tmp_path: Path) -> list[str]:
+    """The data settings of each case, on the bundled data (or files made from it)."""
+    if kind == "alpaca":
+        return ["data=tiny_instruct"]
+    if kind == "chat":
+        template = tmp_path / "chatml.jinja"
+        template.write_text(CHATML)
+        return ["data=tiny_chat", f"data.chat_template={template}"]
+    if kind == "sharegpt":
+        speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+        rows = [
+            {"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in row["messages"]]}
+            for row in chat_rows(60)
+        ]
+        return [f"data.path={write_jsonl(tmp_path / 'sharegpt.jsonl', rows)}", "data.template=sharegpt"]
+    if kind == "text":
+        rows = [{"text": m["content"]} for row in chat_rows(60) for m in row["messages"] if m["role"] == "assistant"]
+        return [f"data.path={write_jsonl(tmp_path / 'text.jsonl', rows)}", "data.template=text"]
+    sources = f"[{{path: {ASSETS_DIR / 'tiny_instruct.jsonl'}, max_rows: 80}}, {{path: {ASSETS_DIR / 'tiny_chat.jsonl'}, template: chat, max_rows: 40}}]"  # noqa: E501
+    return ["data=mixture", f"data.sources={sources}"]
+
+
+def trained_runs(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
+    """Each unbroken run of tokens whose label is not IGNORE_INDEX, decoded (computed here, from the labels)."""
+    runs, current = [], []
+    for token, label in zip(ids, labels):
+        if label != IGNORE_INDEX:
+            current.append(token)
+        elif current:
+            runs, current = [*runs, current], []
+    runs += [current] if current else []
+    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
+
+
+class TokenSpans(HTMLParser):
+    """Per sample block: ``[(token id, highlighted), ...]`` from the page's token elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.samples: list[list[tuple[int, bool]]] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "div" and attrs.get("class") == "sample":
+            self.samples.append([])
+        elif tag == "span" and "tok" in attrs.get("class", "").split():
+            self.samples[-1].append((int(attrs["data-id"]), "trained" in attrs["class"].split()))
+
+
+@pytest.mark.parametrize("kind", ["alpaca", "chat", "sharegpt", "text", "mixture"])
+def test_the_preview_marks_exactly_the_tokens_the_labels_train(kind, tmp_path, datasets_cache, capsys) -> None:
+    overrides = [*data_overrides(kind, tmp_path), f"data.cache_dir={datasets_cache}", "data.max_length=256"]
+    cfg = compose_config(overrides)
+    tokenizer = build_tokenizer(cfg.model)
+    train = build_datasets(cfg.data, tokenizer, cfg.trainer.seed).train
+    rows = [0, 1, len(train) - 1]  # in a mixture the last row comes from the last source
+    page = tmp_path / "preview.html"
+    assert preview.main([*overrides, "--rows", ",".join(map(str, rows)), "--html", str(page)]) == 0
+    printed = capsys.readouterr().out
+
+    shown = printed[: printed.index("batch plan, epoch 0:")]
+    blocks = re.split(r"^── training row \d+ · .*$", shown, flags=re.M)[1:]
+    assert len(blocks) == len(rows), printed[:2000]
+    for block, i in zip(blocks, rows):
+        ids, labels = train[i]["input_ids"], train[i]["labels"]
+        text = block[1:-2]  # print(heading), print(text), print()
+        assert re.findall(r"\[\[(.*?)\]\]", text, flags=re.S) == trained_runs(tokenizer, ids, labels)
+        assert text.replace("[[", "").replace("]]", "") == tokenizer.decode(ids, skip_special_tokens=False)
+    headings = re.findall(r"^── training row (\d+) · (\d+) tokens, (\d+) trained", printed, flags=re.M)
+    counts = [(len(train[i]["labels"]), sum(label != IGNORE_INDEX for label in train[i]["labels"])) for i in rows]
+    assert headings == [(str(i), str(n), str(trained)) for i, (n, trained) in zip(rows, counts)]
+    if kind == "mixture":
+        assert re.findall(r"from data\.sources\[(\d)\]", printed) == [str(train[i]["source"]) for i in rows]
+
+    parsed = TokenSpans()
+    parsed.feed(page.read_text())
+    assert parsed.samples == [
+        [(t, label != IGNORE_INDEX) for t, label in zip(train[i]["input_ids"], train[i]["labels"])] for i in rows
+    ]
