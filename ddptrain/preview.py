@@ -11,11 +11,16 @@ samples as a page (trained tokens highlighted, each token's id and text on hover
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
 
 from ddptrain.config import ConfigError, RunConfig, register_configs, to_run_config
 from ddptrain.config.hydra import CONF_DIR
@@ -36,7 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--rows", help="show these samples of the training set, e.g. 3,17,40")
     parser.add_argument("--html", type=Path, help="also write the samples as an HTML page to this file")
     parser.add_argument("--plain", action="store_true", help="mark trained text with [[ ]] even on a terminal")
-    parser.add_argument("--world-size", type=int, help="ranks to plan batches for (default parallel.nproc_per_node)")
+    parser.add_argument(
+        "--world-size", type=int, help="ranks to plan batches for, all nodes (default parallel.nproc_per_node)"
+    )
     parser.add_argument("--config-dir", type=Path, help="a recipe folder, as for python -m ddptrain")
     parser.add_argument("--config-name", default="train", help="the config in --config-dir (default train)")
     return parser
@@ -66,26 +73,27 @@ def main(argv: list[str] | None = None) -> int:
     if flags:
         parser.error(f"unknown option {flags[0]}: options are listed by --help, the rest are Hydra overrides")
     try:
-        cfg = compose_run_config(overrides, args.config_dir, args.config_name)
-    except ConfigError as err:
-        print(f"ddptrain.preview: invalid configuration:\n{err}", file=sys.stderr)
-        return 2
-    world_size = args.world_size or cfg.parallel.nproc_per_node or 1
+        wanted = parse_rows(args.rows, args.n)
+    except ValueError as err:
+        parser.error(str(err))
     try:
+        cfg = compose_run_config(overrides, args.config_dir, args.config_name)
+        world_size = planned_world_size(cfg, args.world_size)
         cfg = resolve_global_batch_size(cfg, world_size)
-    except ConfigError as err:
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
         print(f"ddptrain.preview: invalid configuration:\n{err}", file=sys.stderr)
         return 2
-    _log_data_side_to_stderr()
     from ddptrain.data.mixture import build_datasets  # torch, transformers, datasets: after the config check
     from ddptrain.model import build_tokenizer
 
-    tokenizer = build_tokenizer(cfg.model)
-    data = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
     try:
-        rows = chosen_rows(args.rows, args.n, len(data.train))
-    except ValueError as err:
-        parser.error(str(err))
+        with _data_side_logged():
+            tokenizer = build_tokenizer(cfg.model)
+            data = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+        rows = in_training_set(wanted, len(data.train))
+    except (OSError, ValueError) as err:  # unreadable data or tokenizer, a malformed row, a row not in the set
+        print(f"ddptrain.preview: {err}", file=sys.stderr)
+        return 1
     colour = not args.plain and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     samples = show_samples(cfg, tokenizer, data, rows, colour)
     print(plan_summary(cfg, data, world_size))
@@ -95,22 +103,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def chosen_rows(rows: str | None, n: int, size: int) -> list[int]:
-    """The training-set indices to show: ``rows`` (comma-separated) or the first ``n``.
+def parse_rows(rows: str | None, n: int) -> list[int] | int:
+    """``--rows`` as indices, or ``--n`` as a count (checked before anything is tokenized).
 
     Raises:
-        ValueError: an index that is not a number or not in the training set.
+        ValueError: not row numbers, or not at least one row.
     """
     if rows is None:
-        return list(range(min(n, size)))
+        if n < 1:
+            raise ValueError(f"--n {n}: show at least one sample (--n 1 or more)")
+        return n
     try:
         chosen = [int(r) for r in rows.split(",") if r.strip()]
     except ValueError:
-        raise ValueError(f"--rows {rows}: give row numbers separated by commas, e.g. --rows 3,17,40") from None
-    outside = [r for r in chosen if not 0 <= r < size]
-    if outside:
-        raise ValueError(f"--rows {rows}: the training set has rows 0 to {size - 1}; {outside[0]} is not one")
+        chosen = []
+    if not chosen or min(chosen) < 0:
+        raise ValueError(f"--rows {rows}: give row numbers from 0, separated by commas, e.g. --rows 3,17,40")
     return chosen
+
+
+def in_training_set(wanted: list[int] | int, size: int) -> list[int]:
+    """The indices to show: the first ``wanted`` rows, or ``wanted`` itself when each is in the training set.
+
+    Raises:
+        ValueError: a row past the end of the training set.
+    """
+    if isinstance(wanted, int):
+        return list(range(min(wanted, size)))
+    outside = [r for r in wanted if r >= size]
+    if outside:
+        raise ValueError(f"--rows: the training set has rows 0 to {size - 1}; {outside[0]} is not one")
+    return wanted
+
+
+def planned_world_size(cfg: RunConfig, given: int | None) -> int:
+    """The ranks to plan for: ``--world-size``, else parallel.nproc_per_node (said when that is a guess)."""
+    if given is not None:
+        return given
+    if cfg.parallel.nproc_per_node is None:
+        print(
+            "ddptrain.preview: parallel.nproc_per_node=null (torchrun decides): planning for 1 rank; "
+            "give --world-size N for the job's number of processes",
+            file=sys.stderr,
+        )
+    return cfg.parallel.nproc_per_node or 1
 
 
 def show_samples(cfg: RunConfig, tokenizer, data: TokenizedData, rows: list[int], colour: bool) -> list[tuple]:
@@ -168,13 +204,20 @@ def _page(cfg: RunConfig, tokenizer, samples: list[tuple]) -> str:
     return html_page(f"ddptrain preview: {source} (data.template={cfg.data.template.value})", samples, tokenizer)
 
 
-def _log_data_side_to_stderr() -> None:
-    """The data side's own lines (rows read, truncation, how conversations are rendered and trained) on stderr."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+@contextlib.contextmanager
+def _data_side_logged() -> Iterator[None]:
+    """The data side's own lines (rows read, truncation, how conversations are rendered and trained) on stderr, while
+    the preview runs (a caller's logging is left as it was)."""
     logger = logging.getLogger("ddptrain")
+    handler, level = logging.StreamHandler(sys.stderr), logger.level
+    handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ def check_reply_endings(encoder: RowEncoder, where: str) -> None:
         return
     if eos_after:
         log.info(
-            "data: %s writes nothing after a reply: each reply is trained with the EOS (%s) appended",
+            "data: %s writes nothing after a reply: ddptrain inserts the EOS (%s) after each such reply and trains it",
             where,
             encoder.tokenizer.eos_token,
             extra=RANK_ZERO_ONLY,

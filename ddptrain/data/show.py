@@ -31,12 +31,28 @@ def runs(ids: Sequence[int], labels: Sequence[int]) -> list[tuple[list[int], boo
     return grouped
 
 
+CONTEXT_TOKENS = 8  # tokens decoded before each one: a character split over tokens, a word's leading space
+
+
+def token_texts(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[str]:
+    """The text each token adds to the decoded sequence. Decoding tokens one by one would drop SentencePiece's
+    leading spaces and split multi-byte characters; each token is decoded after a few before it instead, and its
+    text is what it adds to theirs."""
+    texts = []
+    for k, token in enumerate(ids):
+        context = list(ids[max(0, k - CONTEXT_TOKENS) : k])
+        before = tokenizer.decode(context, skip_special_tokens=False)
+        after = tokenizer.decode([*context, token], skip_special_tokens=False)
+        texts.append(after[len(before) :] if after.startswith(before) else tokenizer.decode([token]))
+    return texts
+
+
 def marked_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], labels: Sequence[int], colour: bool) -> str:
     """The decoded text, each trained run in green (``colour``) or between ``[[`` and ``]]``."""
     start, end = (GREEN, RESET) if colour else (OPEN, CLOSE)
-    pieces = []
+    pieces, texts = [], iter(token_texts(tokenizer, ids))
     for run, trained in runs(ids, labels):
-        text = tokenizer.decode(run, skip_special_tokens=False)
+        text = "".join(next(texts) for _ in run)
         pieces.append(f"{start}{text}{end}" if trained else text)
     return "".join(pieces)
 
@@ -73,7 +89,8 @@ def html_page(title: str, samples: list[tuple[str, list[int], list[int]]], token
     """
     body = [f"<h1>{html.escape(title)}</h1>", '<p class="legend"><span class="trained">highlighted</span>: trained</p>']
     for heading, ids, labels in samples:
-        tokens = "".join(_token_span(tokenizer, token, label) for token, label in zip(ids, labels))
+        pieces = zip(ids, labels, token_texts(tokenizer, ids), tokenizer.convert_ids_to_tokens(list(ids)))
+        tokens = "".join(_token_span(*piece) for piece in pieces)
         body.append(f'<h2>{html.escape(heading)}</h2>\n<div class="sample">{tokens}</div>')
     return (
         '<!doctype html>\n<html><head><meta charset="utf-8">'
@@ -83,8 +100,7 @@ def html_page(title: str, samples: list[tuple[str, list[int], list[int]]], token
     )
 
 
-def _token_span(tokenizer: PreTrainedTokenizerBase, token: int, label: int) -> str:
-    text = tokenizer.decode([token], skip_special_tokens=False)
+def _token_span(token: int, label: int, text: str, piece: str) -> str:
     classes = "tok trained" if label != IGNORE_INDEX else "tok"
-    hover = html.escape(f"{token}: {text!r}", quote=True)
+    hover = html.escape(f"{token}: {piece!r}", quote=True)  # the vocabulary's own spelling of the token
     return f'<span class="{classes}" data-id="{token}" title="{hover}">{html.escape(text)}</span>'

@@ -149,7 +149,7 @@ def render_chat(
     end-of-turn marker is trained also where the template writes the EOS only at the very end of a conversation
     (Phi-3: ``<|end|>`` after every reply, the EOS once) or trims the message text (Gemma). Where it writes nothing
     after a reply, the span's index is returned: the encoder inserts an EOS there, so that the model still learns
-    to stop.
+    to stop. An empty reply is not trained on.
 
     The span starts where the template's generation prompt ends (the conversation so far rendered with
     ``add_generation_prompt``), when that rendering is where the whole conversation begins. Some templates rewrite
@@ -190,17 +190,32 @@ def _reply_spans(
                 "(or data.chat_template=chatml)"
             )
         position = found + len(text)
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or not text:  # an empty reply: nothing to learn, nothing to end
             continue
         through = render(messages[: i + 1], False)
-        in_through = through.rfind(text)
-        written_after = through[in_through + len(text) :] if in_through >= 0 else ""
+        # Where the reply ends in ``through``: as in ``full`` while the two agree that far, else found in order.
+        reply_end = position if through.startswith(full[:position]) else _reply_end(through, messages, i)
+        written_after = through[reply_end:]
         end_of_turn = _agreed_tokens(written_after, full[position:], token_ends).rstrip()
         position += len(end_of_turn)
         spans.append((found if prompt_end is None else prompt_end, position))
         if not end_of_turn.strip():
             eos_after.append(len(spans) - 1)
     return spans, tuple(eos_after)
+
+
+def _reply_end(through: str, messages: list[dict[str, str]], i: int) -> int:
+    """Where reply ``i``'s text ends in ``through`` (the conversation rendered up to that reply, by a template that
+    rewrote earlier turns): each message's text found in order from the start."""
+    position = 0
+    for message in messages[: i + 1]:
+        if message["role"] != "system":
+            text = message["content"].strip()
+            found = through.find(text, position)
+            if found < 0:  # rewritten beyond finding: nothing known after the reply
+                return len(through)
+            position = found + len(text)
+    return position
 
 
 def _generation_prompt_end(

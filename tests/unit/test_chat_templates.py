@@ -88,13 +88,27 @@ TURNS = [
     {"role": "assistant", "content": "Two, the only even prime."},
 ]
 OPENER = {"role": "assistant", "content": "Ask me about primes."}
-CONVERSATIONS = [TURNS, [SYSTEM, *TURNS], [SYSTEM, *TURNS[:2]], [OPENER, *TURNS], [SYSTEM, OPENER, *TURNS[:2]]]
+# One-letter replies that also occur inside the templates' end-of-turn markers ("d" in <|end|>, "e" in <end_of_turn>).
+LETTERS = [
+    {"role": "user", "content": "Which of a, b, c, d is a vowel? One letter."},
+    {"role": "assistant", "content": "d"},
+    {"role": "user", "content": "Wrong. Again?"},
+    {"role": "assistant", "content": "e"},
+]
+CONVERSATIONS = [
+    TURNS,
+    [SYSTEM, *TURNS],
+    [SYSTEM, *TURNS[:2]],
+    [OPENER, *TURNS],
+    [SYSTEM, OPENER, *TURNS[:2]],
+    LETTERS,
+]
 # Gemma refuses a system message; its template trims what the others write as given.
 PADDED = [
     {"role": "user", "content": "  Name a prime number.\n"},
     {"role": "assistant", "content": " Seven is prime. \n"},
 ]
-NO_SYSTEM = [TURNS, [OPENER, *TURNS], PADDED]
+NO_SYSTEM = [TURNS, [OPENER, *TURNS], PADDED, LETTERS]
 
 
 def with_template(template: str, bos: str, eos: str, special: list[str]):
@@ -187,15 +201,26 @@ def test_a_template_that_writes_nothing_after_a_reply_gets_the_eos_inserted_and_
     eos = tokenizer.eos_token_id
     for messages, row in zip(CONVERSATIONS, data):
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
-        # Each reply's last token here is ".\n" (one token): trained whole, then the inserted EOS.
-        assert target_runs(row["input_ids"], row["labels"], tokenizer) == [f" {r}\n</s>" for r in replies]
+        # A reply's last token may hold the newline after it (".\n" is one token here, "d\n" two): trained whole,
+        # then the inserted EOS.
+        runs = target_runs(row["input_ids"], row["labels"], tokenizer)
+        assert [run.replace("\n</s>", "</s>") for run in runs] == [f" {r}</s>" for r in replies]
         without_eos = [token for token in row["input_ids"] if token != eos]
         assert without_eos == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
         assert row["input_ids"].count(eos) == len(replies), "one EOS per reply, nothing else added"
     with caplog.at_level(logging.INFO, logger="ddptrain.data"):
         log_chat_format(DataConfig(path="unused.jsonl", template=Template.chat), tokenizer)
-    assert "writes nothing after a reply: each reply is trained with the EOS (</s>) appended" in caplog.text
+    assert "writes nothing after a reply: ddptrain inserts the EOS (</s>) after each such reply" in caplog.text
     assert "no end-of-turn token" not in caplog.text
+
+
+def test_an_empty_reply_is_not_trained_and_the_replies_around_it_are():
+    tokenizer, _ = family("llama3")
+    empty = [TURNS[0], {"role": "assistant", "content": "  "}, *TURNS[2:]]
+    text, spans, eos_after = RowEncoder(DataConfig(path="x.jsonl", template=Template.chat), tokenizer).turns(
+        {"messages": empty}
+    )
+    assert [text[a:b] for a, b in spans] == ["Two, the only even prime.<|eot_id|>"] and not eos_after
 
 
 def test_a_reply_that_ends_in_plain_text_is_warned_about_and_a_proper_ending_is_not(caplog):

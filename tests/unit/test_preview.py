@@ -116,3 +116,14 @@ def test_the_preview_marks_exactly_the_tokens_the_labels_train(kind, tmp_path, d
     assert parsed.samples == [
         [(t, label != IGNORE_INDEX) for t, label in zip(train[i]["input_ids"], train[i]["labels"])] for i in rows
     ]
+
+
+def test_a_mistyped_key_or_a_row_outside_the_training_set_is_named(tmp_path, datasets_cache, capsys) -> None:
+    assert preview.main(["data.max_lenght=64"]) == 2
+    assert "ddptrain.preview: invalid configuration" in capsys.readouterr().err
+    data = [*data_overrides("text", tmp_path), f"data.cache_dir={datasets_cache}"]
+    assert preview.main([*data, "--rows", "2,100000"]) == 1
+    assert "--rows: the training set has rows 0 to " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        preview.main([*data, "--rows", "two"])
+    assert "--rows two: give row numbers from 0" in capsys.readouterr().err
