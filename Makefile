@@ -9,7 +9,7 @@ TORCH_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-quick lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data gpu-check clean
+.PHONY: setup train test test-quick lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data bench-chat-tokenize gpu-check clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,7 @@ setup: $(STAMP)
 # uv, about 10 s where pip took about 80 s on 2 cores (bench/README.md); uv leaves the installed torch alone.
 # uv reads no pip.conf (a private index goes in UV_INDEX_URL): where uv cannot be had or cannot install, pip does.
 # Bytecode is compiled at install as pip does: with PYTHONDONTWRITEBYTECODE set, every process would compile what it
-# imports again. That is most of the install's time (measured 60-77 s with it, 34-37 s without): COMPILE_BYTECODE=no
+# imports again. That is most of the install's time (measured 60-90 s with it, 26 s without): COMPILE_BYTECODE=no
 # skips it, for a run that lets Python write the bytecode of what it imports (.ci/run).
 COMPILE_BYTECODE ?= yes
 UV_BYTECODE := $(if $(filter no,$(COMPILE_BYTECODE)),,--compile-bytecode)
@@ -72,6 +72,10 @@ bench-sweep: setup  ## a 2-job sweep one job after another vs hydra/launcher=par
 bench-data: setup
 	$(BIN)/python -m ddptrain.bench.data_prep --data ../shared/data/alpaca/alpaca_data_52k.jsonl \
 		--tokenizer ../shared/data/tokenizers/qwen2 --num-proc 1 2
+
+bench-chat-tokenize: setup  ## conversations: the tokenizer's chat template against ChatML pieces
+	$(BIN)/python -m ddptrain.bench.chat_tokenize --data ../shared/data/alpaca/alpaca_data_52k.jsonl \
+		--tokenizer ../shared/data/tokenizers/qwen2 --rows 10000
 
 gpu-check: setup  ## on a GPU machine: tests/gpu + the GPU throughput benchmark, one table (< 10 min)
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)

@@ -68,7 +68,8 @@ def _report(cfg: DataConfig, stats: dict[str, int], n_train: int, eval_set: data
         )
     if stats["no_target"]:
         log.warning(
-            "data: dropped %d rows whose prompt fills data.max_length=%d (nothing left to train on)",
+            "data: dropped %d rows with nothing to train on: a prompt that fills data.max_length=%d, or only empty "
+            "replies",
             stats["no_target"],
             cfg.max_length,
             extra=RANK_ZERO_ONLY,

@@ -192,7 +192,7 @@ def _reply_spans(
         position = found + len(text)
         if message["role"] != "assistant" or not text:  # an empty reply: nothing to learn, nothing to end
             continue
-        through = render(messages[: i + 1], False)
+        through = full if i == len(messages) - 1 else render(messages[: i + 1], False)  # a render less per row
         # Where the reply ends in ``through``: as in ``full`` while the two agree that far, else found in order.
         reply_end = position if through.startswith(full[:position]) else _reply_end(through, messages, i)
         written_after = through[reply_end:]
