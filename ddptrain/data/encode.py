@@ -225,7 +225,7 @@ PROBE = [
 def check_reply_endings(encoder: RowEncoder, where: str) -> None:
     """Render a probe conversation as training will: say when ddptrain appends the EOS to each reply (the template
     writes nothing after one), and warn when a reply's trained tokens end in a token that is not special (an
-    end-of-turn marker or the EOS): a model trained on them never learns to end its turn."""
+    end-of-turn marker, an added token or the EOS): a model trained on them never learns to end its turn."""
     try:
         text, spans, eos_after = render_chat(PROBE, encoder.render, encoder.token_ends)
     except RowError as err:
@@ -239,8 +239,8 @@ def check_reply_endings(encoder: RowEncoder, where: str) -> None:
             extra=RANK_ZERO_ONLY,
         )
     ((ids, labels, _),) = encoder.encode_texts([(text, spans, eos_after)])
-    special = set(encoder.tokenizer.all_special_ids)
-    special |= {i for i, token in encoder.tokenizer.added_tokens_decoder.items() if token.special}
+    # Special and added tokens: control tokens the model emits whole (Qwen's <|im_end|>, Llama's <|eot_id|>).
+    special = set(encoder.tokenizer.all_special_ids) | set(encoder.tokenizer.added_tokens_decoder)
     for last in _last_targets(ids, labels):
         if last not in special:
             log.warning(

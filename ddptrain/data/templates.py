@@ -158,7 +158,7 @@ def render_chat(
     after the messages before it (nothing before a reply is trained on, not even a default system prompt).
 
     Raises:
-        RowError: the template rejects the conversation (e.g. roles that do not alternate), or a message's text
+        RowError: the template rejects the conversation (e.g. roles that do not alternate), or a reply's text
             cannot be found in the rendering.
     """
     try:
@@ -183,9 +183,11 @@ def _reply_spans(
         prompt_end = _generation_prompt_end(messages, i, render, full, position)
         text = message["content"].strip()
         found = full.find(text, position if prompt_end is None else prompt_end)
+        if found < 0 and message["role"] != "assistant":  # a template may rewrite what the user wrote
+            continue
         if found < 0:
             raise RowError(
-                f"message {i} ({message['role']}) is not in the chat template's rendering of the conversation, so "
+                f"message {i} (assistant) is not in the chat template's rendering of the conversation, so "
                 "its place cannot be found: set data.chat_template to a template that writes every message "
                 "(or data.chat_template=chatml)"
             )
