@@ -96,10 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     colour = not args.plain and sys.stdout.isatty() and "NO_COLOR" not in os.environ
     samples = show_samples(cfg, tokenizer, data, rows, colour)
-    print(plan_summary(cfg, data, world_size))
     if args.html is not None:
         args.html.write_text(_page(cfg, tokenizer, samples))
-        print(f"\nwrote {args.html}")
+    try:
+        print(plan_summary(cfg, data, world_size))
+    except ValueError as err:  # the data cannot fill one micro-step on every rank: what a run would stop on
+        print(f"ddptrain.preview: no batch plan: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if args.html is not None:
+            print(f"\nwrote {args.html}")
     return 0
 
 
