@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.bench import data_prep, samplers, startup, sweep, throughput, throughput_memory
+from ddptrain.bench import chat_tokenize, data_prep, samplers, startup, sweep, throughput, throughput_memory
 from tests.conftest import QWEN2_TOKENIZER, REPO, compose_config, requires_shared
 
 pytestmark = pytest.mark.e2e
@@ -49,6 +49,16 @@ def test_data_prep_times_both_workloads(rows, capsys) -> None:
     assert set(table) == {"alpaca", f"mixture x{data_prep.COPIES}"}, table
     alpaca, mixture = int(table["alpaca"][1]), int(table[f"mixture x{data_prep.COPIES}"][1])
     assert 0 < alpaca <= ROWS and mixture == data_prep.COPIES * alpaca, table  # 4 copies of the same rows
+
+
+@requires_shared
+def test_chat_tokenize_times_both_paths_of_both_workloads(rows, capsys) -> None:
+    """Qwen2's tokenizer: the one at hand with its own chat template (the bundled one has none)."""
+    chat_tokenize.main(["--data", str(rows), "--tokenizer", str(QWEN2_TOKENIZER), "--rows", "10", "--repeats", "1"])
+    table = {row[0]: row for row in table_rows(capsys.readouterr().out)}
+    assert set(table) == {"one exchange", "two exchanges"}, table
+    assert [int(row[1]) for row in table.values()] == [10, 10], table  # conversations of 1 and 2 of the 24 rows
+    assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in table.values()), table
 
 
 def test_samplers_plans_every_sampler_over_the_epoch(rows, capsys) -> None:
