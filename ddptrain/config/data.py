@@ -14,7 +14,7 @@ from omegaconf import MISSING
 
 from ddptrain.config.checks import _positive
 from ddptrain.data.batch_cost import cost_rule
-from ddptrain.data.sources import resolve_source
+from ddptrain.data.sources import Source, SourceKind, resolve_source
 
 
 class Template(str, Enum):
@@ -43,9 +43,13 @@ class SourceConfig:
     """Read at most the first N rows of this source."""
     subset: Optional[str] = None
     split: Optional[str] = None
+    revision: Optional[str] = None
+    """A Hub id's branch, tag or commit (or path: owner/name@revision); null = its default branch."""
     template: Optional[Template] = None
     eval_fraction: Optional[float] = None
     """Share of this source held out for evaluation (the eval split is taken per source)."""
+    eval_split: Optional[str] = None
+    """This source's own split (a folder or Hub id) as its eval rows, instead of eval_fraction."""
     instruction_field: Optional[str] = None
     input_field: Optional[str] = None
     output_field: Optional[str] = None
@@ -72,11 +76,17 @@ class DataConfig:
     """Split of a folder or Hub dataset (data.path and data.eval_path alike). A file or glob is read whole,
     as datasets' 'train' split: any other value is refused unless data.path or data.eval_path is a folder
     or Hub id."""
+    revision: Optional[str] = None
+    """Branch, tag or commit of the Hub dataset data.path (owner/name@revision in data.path says the same);
+    null = its default branch. Offline, that revision must be in the Hub cache (hf download --revision)."""
     eval_path: Optional[str] = None
     """Held-out rows, in any form data.path takes (a folder or Hub id read with data.subset and
-    data.split); null = hold out data.eval_fraction of data.path."""
+    data.eval_split, else data.split); null = the eval rows come from data.path."""
+    eval_split: Optional[str] = None
+    """The split read as the eval set: of data.eval_path when it is set, else data.path's own (a folder or Hub id,
+    e.g. data.eval_split=test, at data.revision). Takes precedence over data.eval_fraction."""
     eval_fraction: float = 0.0
-    """Share of data.path held out for evaluation when data.eval_path is null."""
+    """Share of data.path held out for evaluation when data.eval_path and data.eval_split are null."""
     template: Template = Template.alpaca
     instruction_field: str = "instruction"
     input_field: str = "input"
@@ -175,8 +185,13 @@ def _check_sources(d: DataConfig) -> list[str]:
             f"data.max_rows={d.max_rows} applies to data.path, not to a mixture: set data.sources[k].max_rows on "
             "the sources to cut, and data.max_rows=null."
         )
-    for key, value, default in (("data.split", d.split, "train"), ("data.subset", d.subset, None)):
-        if value != default:
+    mixture_only = (
+        ("data.split", d.split, "train"),
+        ("data.subset", d.subset, None),
+        ("data.revision", d.revision, None),
+    )
+    for key, value, default in (*mixture_only, ("data.eval_split", d.eval_split, None)):
+        if value != default and (key != "data.eval_split" or d.eval_path is None):
             problems.append(f"{key}={value} applies to data.path, not to a mixture: set data.sources[k].{key[5:]}.")
     weights = [s.weight for s in d.sources]
     if any(w is None for w in weights) and any(w is not None for w in weights):
@@ -196,15 +211,58 @@ def _check_source(k: int, source: SourceConfig) -> list[str]:
     if source.eval_fraction is not None and not 0.0 <= source.eval_fraction < 1.0:
         problems.append(f"{key}.eval_fraction={source.eval_fraction} must be in [0, 1).")
     try:
-        files_only = not resolve_source(source.path, f"{key}.path").has_splits
+        resolved = resolve_source(source.path, f"{key}.path")
     except ValueError as err:
         return [*problems, str(err)]
-    if files_only and (source.split not in (None, "train") or source.subset is not None):
+    if not resolved.has_splits and (source.split not in (None, "train") or source.subset is not None):
         problems.append(
             f"{key} sets split={source.split} / subset={source.subset}, which have no effect: "
             f"{source.path} names files, read whole. Remove them, or point the source at a folder or Hub dataset."
         )
+    problems += _check_revision(f"{key}.revision", source.revision, f"{key}.path", resolved)
+    if source.eval_split is not None and not resolved.has_splits:
+        problems.append(
+            f"{key}.eval_split={source.eval_split}: {source.path} names files, which have one split ('train'). "
+            f"Hold out a share instead ({key}.eval_fraction), or point the source at a folder or Hub dataset."
+        )
+    elif source.eval_split is not None and source.eval_split == (source.split or "train"):
+        problems.append(_same_split(f"{key}.eval_split", source.eval_split, f"{key}.split"))
     return problems
+
+
+def _check_revision(key: str, revision: str | None, path_key: str, source: Source) -> list[str]:
+    """A revision (key, or @revision in the path) names a Hub dataset's branch, tag or commit, and only one."""
+    if revision is not None and source.kind != SourceKind.hub:
+        return [
+            f"{key}={revision} applies to Hub dataset ids only, and {path_key}={source.path} is a local "
+            f"{source.kind.value}: remove {key} (a folder holds one revision; check out the one you want there)."
+        ]
+    if revision is not None and source.revision not in (None, revision):
+        return [f"{path_key}={source.path} pins revision {source.revision}, but {key}={revision}: keep one of them."]
+    return []
+
+
+def _same_split(key: str, value: str, split_key: str) -> str:
+    return (
+        f"{key}={value} is also the split trained on ({split_key}), so the eval rows would be training rows: "
+        f"name another split (e.g. {key}=test), or set {key}=null."
+    )
+
+
+def _check_eval_split(d: DataConfig, sources: dict[str, Source]) -> list[str]:
+    """data.eval_split: a split of data.eval_path, else of data.path, which must then be a folder or Hub id."""
+    if d.eval_split is None:
+        return []
+    key = "data.eval_path" if "data.eval_path" in sources else "data.path"
+    if not sources[key].has_splits:
+        return [
+            f"data.eval_split={d.eval_split}: {key}={sources[key].path} names files, which have one split ('train'). "
+            "Point data.eval_path at the eval rows, hold out a share (data.eval_fraction), or point data.path at a "
+            "folder or Hub dataset that has the split."
+        ]
+    if key == "data.path" and d.eval_split == d.split:
+        return [_same_split("data.eval_split", d.eval_split, "data.split")]
+    return []
 
 
 def is_jinja(text: str) -> bool:
@@ -213,14 +271,20 @@ def is_jinja(text: str) -> bool:
 
 
 def _check_paths(d: DataConfig) -> list[str]:
-    """Local paths must exist (Hub ids are checked when loaded); data.subset/split need a folder or Hub id."""
+    """Local paths must exist (Hub ids are checked when loaded); data.subset/split/eval_split need a folder or Hub
+    id, data.revision a Hub id."""
     problems, sources = [], {}
     for key, value in (("data.path", d.path), ("data.eval_path", d.eval_path)):
         try:
             sources.update({key: resolve_source(value, key)} if value is not None else {})
         except ValueError as err:
             problems.append(str(err))
-    if problems or not sources or any(s.has_splits for s in sources.values()):
+    if problems or not sources:
+        return problems
+    if "data.path" in sources:
+        problems += _check_revision("data.revision", d.revision, "data.path", sources["data.path"])
+    problems += _check_eval_split(d, sources)
+    if any(s.has_splits for s in sources.values()):
         return problems
     names = " and ".join(f"{key}={s.path}" for key, s in sources.items())
     for key, value, default in (("data.split", d.split, "train"), ("data.subset", d.subset, None)):

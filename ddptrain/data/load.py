@@ -13,6 +13,7 @@ import csv
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +24,30 @@ from ddptrain.data.sources import Source, SourceKind, resolve_source, source_gro
 
 
 def load_rows(
-    path: str, cache_dir: str | None, key: str = "data.path", subset: str | None = None, split: str = "train"
+    path: str,
+    cache_dir: str | None,
+    key: str = "data.path",
+    subset: str | None = None,
+    split: str = "train",
+    revision: str | None = None,
+    split_key: str | None = None,
 ) -> datasets.Dataset:
     """Read a file, glob, folder or Hub dataset id (``sources.resolve_source``) through ``datasets``.
 
     Files and globs are read whole; a folder or Hub id gives its ``split`` of config ``subset``, as
-    ``datasets.load_dataset`` reads a Hub repository. Offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE),
-    a Hub id is read from the Hub cache (``hf download``) or from datasets' cache of an earlier load.
+    ``datasets.load_dataset`` reads a Hub repository; a Hub id at ``revision`` (a branch, tag or commit: the
+    ``@revision`` in ``path`` or ``data.revision``), else at its default branch. Offline (HF_HUB_OFFLINE /
+    HF_DATASETS_OFFLINE), a Hub id is read from the Hub cache (``hf download``) or from datasets' cache of an
+    earlier load.
 
     Args:
         path: the value of ``key`` as the user typed it.
         cache_dir: ``data.cache_dir``; null = the datasets default.
         key: the config key that named the source (``data.path`` or ``data.eval_path``), for errors.
         subset: ``data.subset`` (folders and Hub ids).
-        split: ``data.split`` (folders and Hub ids).
+        split: ``data.split`` (folders and Hub ids), or ``data.eval_split`` for the eval set.
+        revision: ``data.revision`` (Hub ids); null = the one after ``@`` in ``path``, if any.
+        split_key: the key that named ``split``, for errors; null = ``data.split`` (or the source's own).
 
     Returns:
         The rows, cached as Arrow by ``datasets``.
@@ -47,6 +58,7 @@ def load_rows(
             be found or reached, or a split or subset that the dataset lacks.
     """
     source = resolve_source(path, key)
+    revision = revision or source.revision
     offline = _hub_offline()
     datasets.disable_progress_bars()
     try:
@@ -57,9 +69,12 @@ def load_rows(
                 source.builder, data_files=files, split="train", cache_dir=cache_dir, **read_as
             )
         with _offline_mode(offline):
-            return datasets.load_dataset(_local_copy(source, offline), name=subset, split=split, cache_dir=cache_dir)
+            local = _local_copy(source, revision, offline)
+            at = {"revision": revision} if local == source.repo_id else {}  # a folder or a snapshot is one revision
+            return datasets.load_dataset(local, name=subset, split=split, cache_dir=cache_dir, **at)
     except Exception as exc:  # datasets wraps parse errors several layers deep
-        raise ValueError(f"{key}={_explain_load_error(source, key, offline, exc)}") from exc
+        where = _Where(key, split_key or f"{source_group(key)}.split", revision)
+        raise ValueError(f"{key}={_explain_load_error(source, where, offline, exc)}") from exc
 
 
 def _hub_offline() -> bool:
@@ -86,16 +101,28 @@ def _offline_mode(offline: bool) -> Iterator[None]:
         datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
 
 
-def _local_copy(source: Source, offline: bool) -> str:
-    """What datasets loads: the folder; offline, a Hub id's snapshot in the Hub cache; else the id itself."""
+def _local_copy(source: Source, revision: str | None, offline: bool) -> str:
+    """What datasets loads: the folder; offline, a Hub id's snapshot (at ``revision``) in the Hub cache; else the
+    id itself (datasets then fetches ``revision``)."""
     if source.kind == SourceKind.folder:
         return os.path.expanduser(source.path)
     if offline:
         # datasets, offline, looks only in its own cache of an earlier load, not in the Hub cache
         # that `hf download` fills; look there first (local_files_only: no network).
         with contextlib.suppress(huggingface_hub.errors.LocalEntryNotFoundError):
-            return huggingface_hub.snapshot_download(source.path, repo_type="dataset", local_files_only=True)
-    return source.path
+            return huggingface_hub.snapshot_download(
+                source.repo_id, repo_type="dataset", revision=revision, local_files_only=True
+            )
+    return source.repo_id
+
+
+@dataclass(frozen=True)
+class _Where:
+    """What an error names: the key of the source, the key of the split read, the revision asked for."""
+
+    key: str
+    split_key: str
+    revision: str | None
 
 
 def _csv_as_text(first_file: str) -> dict[str, Any]:
@@ -110,23 +137,25 @@ def _csv_as_text(first_file: str) -> dict[str, Any]:
     }
 
 
-def _explain_load_error(source: Source, key: str, offline: bool, exc: Exception) -> str:
+def _explain_load_error(source: Source, where: _Where, offline: bool, exc: Exception) -> str:
     """Why ``source`` could not be read, and the fix: the text after ``<key>=``."""
-    path, text = source.path, str(exc)
+    path, text, key = source.path, str(exc), where.key
     if source.kind == SourceKind.hub and isinstance(exc, (ConnectionError, datasets.exceptions.DatasetNotFoundError)):
+        at = f" at revision {where.revision}" if where.revision else ""
+        download = f"{source.repo_id} --revision {where.revision}" if where.revision else source.repo_id
         if offline:
-            why = "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and no local cache holds it"
+            why = f"offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) and no local cache holds it{at}"
         elif isinstance(exc, ConnectionError):
             why = f"the Hugging Face Hub could not be reached ({text})"
         else:
-            why = f"the Hub has no dataset by that name that you can read ({text}); check the id and your login"
+            why = f"the Hub has no dataset{at} by that name that you can read ({text}); check the id and your login"
         return (
             f"{path}: no such local file or folder, so it was read as a Hub dataset id, but {why}. Run "
-            f"`hf download --repo-type dataset {path}` on a machine with network (into the Hub cache this machine "
-            f"reads), or download it to a folder (--local-dir) and point {key} at that folder."
+            f"`hf download --repo-type dataset {download}` on a machine with network (into the Hub cache this "
+            f"machine reads), or download it to a folder (--local-dir) and point {key} at that folder."
         )
     if "Unknown split" in text:
-        return f"{path}: {text} Set {source_group(key)}.split to one of them."
+        return f"{path}: {text} Set {where.split_key} to one of them."
     if "BuilderConfig" in text:
         return f"{path}: {text} Set {source_group(key)}.subset to one of them (the dataset's configs)."
     for file in _jsonl_files(source):

@@ -36,9 +36,8 @@ def build_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
     log_chat_format(cfg, tokenizer)
     train, stats = tokenize_file(cfg.path, cfg, tokenizer, cfg.max_rows)
     eval_set = None
-    if cfg.eval_path is not None:
-        eval_set, eval_stats = tokenize_file(cfg.eval_path, cfg, tokenizer, None, "data.eval_path")
-        stats.update({f"eval_{k}": v for k, v in eval_stats.items()})
+    if cfg.eval_path is not None or cfg.eval_split is not None:
+        eval_set, stats = _read_eval_set(cfg, tokenizer, stats)
     elif cfg.eval_fraction > 0:
         split = train.train_test_split(test_size=cfg.eval_fraction, seed=seed)
         train, eval_set = split["train"], split["test"]
@@ -49,6 +48,17 @@ def build_datasets(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
         )
     _report(cfg, stats, len(train), eval_set)
     return TokenizedData(train, eval_set, stats)
+
+
+def _read_eval_set(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, stats: dict[str, int]
+) -> tuple[datasets.Dataset, dict[str, int]]:
+    """The eval set read on its own: data.eval_path (its data.eval_split, else data.split), or data.path's
+    data.eval_split; its counts join ``stats`` as eval_*."""
+    path, key = (cfg.eval_path, "data.eval_path") if cfg.eval_path is not None else (cfg.path, "data.path")
+    split, split_key = (cfg.eval_split, "data.eval_split") if cfg.eval_split is not None else (cfg.split, "data.split")
+    eval_set, eval_stats = tokenize_file(path, cfg, tokenizer, None, key, split, split_key)
+    return eval_set, {**stats, **{f"eval_{k}": v for k, v in eval_stats.items()}}
 
 
 def _report(cfg: DataConfig, stats: dict[str, int], n_train: int, eval_set: datasets.Dataset | None) -> None:
@@ -95,19 +105,30 @@ def build_mixture(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
                 f"{key}={source.path}: no usable rows left after tokenization ({source_stats}). Check its template "
                 f"and field names (data.sources[{k}].template, data.sources[{k}].*_field), or raise data.max_length."
             )
-        if cfg.eval_path is None and source_cfg.eval_fraction > 0:
+        if cfg.eval_path is None and source_cfg.eval_split is not None:
+            held_out, held_stats = tokenize_file(
+                source_cfg.path,
+                source_cfg,
+                tokenizer,
+                None,
+                key,
+                source_cfg.eval_split,
+                f"data.sources[{k}].eval_split",
+            )
+            evals.append(held_out.add_column("source", [k] * len(held_out)))
+            source_stats = {**source_stats, **{f"eval_{name}": n for name, n in held_stats.items()}}
+        elif cfg.eval_path is None and source_cfg.eval_fraction > 0:
             split = data.train_test_split(test_size=source_cfg.eval_fraction, seed=seed)
             data, held_out = split["train"], split["test"]
             evals.append(held_out.add_column("source", [k] * len(held_out)))
         trains.append(data.add_column("source", [k] * len(data)))
-        stats = {name: stats.get(name, 0) + count for name, count in source_stats.items()}
+        stats = {name: stats.get(name, 0) + source_stats.get(name, 0) for name in {**stats, **source_stats}}
     train = datasets.concatenate_datasets(trains)
     sizes, weights = [len(t) for t in trains], [s.weight for s in cfg.sources]
     epoch_rows = None if all(w is None for w in weights) else partial(mixture_rows, sizes, weights, seed)
     eval_set = datasets.concatenate_datasets(evals) if evals else None
     if cfg.eval_path is not None:
-        eval_set, eval_stats = tokenize_file(cfg.eval_path, cfg, tokenizer, None, "data.eval_path")
-        stats.update({f"eval_{k}": v for k, v in eval_stats.items()})
+        eval_set, stats = _read_eval_set(cfg, tokenizer, stats)
     drawn = [len(p) for p in mixture_indices(sizes, weights, seed, epoch=0)]
     for k, source in enumerate(cfg.sources):
         log.info(

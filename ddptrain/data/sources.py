@@ -24,8 +24,9 @@ FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "cs
 SUPPORTED = ".json, .jsonl, .parquet or .csv"
 # A missing path with one of these endings was meant as a local file, not a Hub id.
 DATA_SUFFIXES = {*FORMATS, ".txt", ".tsv", ".arrow"}
-# Hub ids: "name" or "owner/name" (letters, digits, "-", "_", ".").
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+# Hub ids: "name" or "owner/name" (letters, digits, "-", "_", "."), optionally pinned to a revision after "@"
+# (a branch, a tag or a commit: owner/name@v1.0, owner/name@refs/convert/parquet).
+HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?)(@(?P<revision>[\w.][\w./-]*))?")
 
 
 class SourceKind(str, Enum):
@@ -42,6 +43,12 @@ class Source:
     path: str  # as the user typed it
     kind: SourceKind
     files: tuple[str, ...] = ()  # file and glob only
+    revision: str | None = None  # Hub ids only: the revision after "@" in the path
+
+    @property
+    def repo_id(self) -> str:
+        """A Hub id without its ``@revision``."""
+        return self.path.split("@", 1)[0]
 
     @property
     def has_splits(self) -> bool:
@@ -55,7 +62,8 @@ class Source:
 
 
 def resolve_source(path: str, key: str) -> Source:
-    """Classify ``path``: an existing file or folder, a glob (``*``, ``?``, ``[``), else a Hub dataset id.
+    """Classify ``path``: an existing file or folder, a glob (``*``, ``?``, ``[``), else a Hub dataset id
+    (``owner/name``, or ``owner/name@revision`` pinned to a branch, tag or commit).
 
     Args:
         path: the value of ``key``; ``~`` is expanded, relative paths start from the working directory.
@@ -74,12 +82,14 @@ def resolve_source(path: str, key: str) -> Source:
         return Source(path, SourceKind.file, (local,))
     if os.path.isdir(local):
         return Source(path, SourceKind.folder)
-    if path.startswith((".", "/", "~")) or Path(path).suffix.lower() in DATA_SUFFIXES or not HUB_ID.fullmatch(path):
+    hub = HUB_ID.fullmatch(path)
+    if path.startswith((".", "/", "~")) or Path(path).suffix.lower() in DATA_SUFFIXES or hub is None:
         raise ValueError(
             f"{key}={path}: no such file. Point {key} at a .json, .jsonl or .parquet file (or .csv), a folder, "
-            "a glob such as data/*.jsonl, or a Hub dataset id such as tatsu-lab/alpaca."
+            "a glob such as data/*.jsonl, or a Hub dataset id such as tatsu-lab/alpaca (tatsu-lab/alpaca@<revision> "
+            "for a branch, tag or commit)."
         )
-    return Source(path, SourceKind.hub)
+    return Source(path, SourceKind.hub, revision=hub["revision"])
 
 
 def _check_type(key: str, value: str, suffix: str) -> None:

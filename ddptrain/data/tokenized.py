@@ -68,10 +68,22 @@ def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, encoder: RowEncoder) ->
 
 
 def tokenize_file(
-    path: str, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_rows: int | None, key: str = "data.path"
+    path: str,
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    max_rows: int | None,
+    key: str = "data.path",
+    split: str | None = None,
+    split_key: str | None = None,
 ) -> tuple[datasets.Dataset, dict[str, int]]:
-    """Load and tokenize one file (cached). Returns the dataset and counts to report."""
-    raw = load_rows(path, cfg.cache_dir, key, cfg.subset, cfg.split)
+    """Load and tokenize one source (cached). Returns the dataset and counts to report.
+
+    ``split`` (named by ``split_key`` in errors): the split to read, null = ``cfg.split``. ``data.revision``
+    applies to ``data.path`` (and a mixture's sources), not to ``data.eval_path``, which names its own revision
+    after ``@``.
+    """
+    revision = None if key == "data.eval_path" else cfg.revision
+    raw = load_rows(path, cfg.cache_dir, key, cfg.subset, split or cfg.split, revision, split_key)
     if max_rows is not None and max_rows < len(raw):
         raw = raw.select(range(max_rows))
     encoder = RowEncoder(cfg, tokenizer)

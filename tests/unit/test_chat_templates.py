@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
+from transformers.utils import chat_template_utils
 
 from ddptrain.config import DataConfig, Template
-from ddptrain.data import IGNORE_INDEX, RowEncoder, tokenize_file
+from ddptrain.data import IGNORE_INDEX, RowEncoder, encode, tokenize_file
 from ddptrain.data.encode import log_chat_format
 from ddptrain.data.templates import RowError
 from ddptrain.model import build_tokenizer
@@ -212,6 +214,26 @@ def test_a_template_that_writes_nothing_after_a_reply_gets_the_eos_inserted_and_
         log_chat_format(DataConfig(path="unused.jsonl", template=Template.chat), tokenizer)
     assert "writes nothing after a reply: ddptrain inserts the EOS (</s>) after each such reply" in caplog.text
     assert "no end-of-turn token" not in caplog.text
+
+
+def test_conversations_render_as_apply_chat_template_writes_them_even_where_the_compiled_template_would_not(
+    monkeypatch,
+):
+    """ddptrain renders with the template's compiled form directly (a third of the time); a transformers whose
+    compiled form writes something else than apply_chat_template must not change what is trained on."""
+    real = chat_template_utils._compile_jinja_template
+
+    def compiled_otherwise(template: str):  # for ddptrain's renderer only: apply_chat_template keeps the real one
+        return real(
+            template + "{{ '[extra]' }}" if sys._getframe(1).f_globals["__name__"] == encode.__name__ else template
+        )
+
+    monkeypatch.setattr(chat_template_utils, "_compile_jinja_template", compiled_otherwise)
+    tokenizer, _ = family("zephyr")
+    encoder = RowEncoder(DataConfig(path="x.jsonl", template=Template.chat), tokenizer)
+    for messages in CONVERSATIONS:
+        text, _, _ = encoder.turns({"messages": messages})
+        assert text == tokenizer.apply_chat_template(messages, tokenize=False)
 
 
 def test_an_empty_reply_is_not_trained_and_the_replies_around_it_are():

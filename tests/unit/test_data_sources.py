@@ -15,14 +15,15 @@ import datasets
 import huggingface_hub
 import pytest
 
-from ddptrain.config import ConfigError
-from ddptrain.data import load_rows, tokenize_file
+from ddptrain.config import ConfigError, DataConfig, SourceConfig
+from ddptrain.data import build_datasets, load_rows, tokenize_file
 from ddptrain.data.templates import alpaca_prompt
 from tests.conftest import compose_config
 from tests.unit import test_data
 from tests.unit.test_data import ROWS, data_cfg, ids, write_jsonl
 
 tokenizer = test_data.tokenizer  # the fixture, shared with test_data.py
+ASSET_ROWS = Path(__file__).resolve().parents[2] / "ddptrain" / "assets" / "tiny_instruct.jsonl"
 
 HUB_LAYOUT_README = """---
 configs:
@@ -216,7 +217,93 @@ def test_hub_dataset_in_the_hub_cache_loads_offline(offline, tokenizer, tmp_path
     assert offline == []
 
 
+def hub_cache_with_two_revisions(cache: Path) -> tuple[str, str]:
+    """What `hf download --repo-type dataset owner/rows` (main) and `... --revision v1` leave in the Hub cache: main
+    holds train ROWS[:3] and test ROWS[3:], tag v1 another commit with the halves the other way round."""
+    storage = cache / "datasets--owner--rows"
+    commits = "0123456789abcdef0123456789abcdef01234567", "89abcdef0123456789abcdef0123456789abcdef"
+    for commit, (train, test) in zip(commits, [(ROWS[:3], ROWS[3:]), (ROWS[3:], ROWS[:3])]):
+        write_parquet(storage / "snapshots" / commit / "data" / "train-00000-of-00001.parquet", train)
+        write_parquet(storage / "snapshots" / commit / "data" / "test-00000-of-00001.parquet", test)
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text(commits[0])
+    (storage / "refs" / "v1").write_text(commits[1])
+    return commits
+
+
+def test_a_hub_revision_reads_that_revision_offline_with_its_own_test_split_as_eval_set(
+    offline, tokenizer, tmp_path, datasets_cache, monkeypatch
+):
+    main_commit, _ = hub_cache_with_two_revisions(tmp_path / "hub")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    main, v1 = reference(tokenizer, ROWS[:3]), reference(tokenizer, ROWS[3:])
+    assert encoded(tokenizer, "owner/rows", datasets_cache) == main
+    assert encoded(tokenizer, "owner/rows@v1", datasets_cache) == v1
+    assert encoded(tokenizer, "owner/rows", datasets_cache, revision="v1") == v1
+    assert encoded(tokenizer, f"owner/rows@{main_commit}", datasets_cache) == main
+    # data.eval_split: the revision's own test split is the eval set (data.eval_fraction gives way to it).
+    cfg = data_cfg("owner/rows@v1", datasets_cache, eval_split="test", eval_fraction=0.5)
+    data = build_datasets(cfg, tokenizer, seed=0)
+    assert (data.train["input_ids"], data.eval["input_ids"]) == (v1, main)
+    with pytest.raises(ValueError) as info:
+        encoded(tokenizer, "owner/rows@v2", datasets_cache)
+    assert str(info.value).startswith("data.path=owner/rows@v2: ")
+    assert "no local cache holds it at revision v2" in str(info.value)
+    assert "`hf download --repo-type dataset owner/rows --revision v2`" in str(info.value)
+    assert offline == []
+
+
+def test_eval_split_reads_a_folders_own_split_for_data_path_eval_path_and_each_source(
+    tokenizer, tmp_path, datasets_cache
+):
+    repo = tmp_path / "repo"
+    write_parquet(repo / "data" / "train-00000-of-00001.parquet", ROWS[:3])
+    write_parquet(repo / "data" / "test-00000-of-00001.parquet", ROWS[3:])
+    rows = write_jsonl(tmp_path / "rows.jsonl", ROWS[:2])
+    train, test = reference(tokenizer, ROWS[:3]), reference(tokenizer, ROWS[3:])
+    data = build_datasets(data_cfg(str(repo), datasets_cache, eval_split="test"), tokenizer, seed=0)
+    assert (data.train["input_ids"], data.eval["input_ids"]) == (train, test)
+    cfg = data_cfg(str(rows), datasets_cache, eval_path=str(repo), eval_split="test")
+    assert build_datasets(cfg, tokenizer, seed=0).eval["input_ids"] == test
+    mixture = DataConfig(
+        path=None,
+        cache_dir=str(datasets_cache),
+        sources=[SourceConfig(path=str(repo), eval_split="test"), SourceConfig(path=str(rows), eval_fraction=0.5)],
+    )
+    data = build_datasets(mixture, tokenizer, seed=0)
+    assert data.eval["source"].count(0) == len(test) and data.eval["input_ids"][: len(test)] == test
+    assert data.train["source"].count(0) == len(train), "source 0 trains on its whole train split"
+    with pytest.raises(ValueError, match=r"data\.path=.*repo: Unknown split \"validation\".*Set data\.eval_split to"):
+        build_datasets(data_cfg(str(repo), datasets_cache, eval_split="validation"), tokenizer, seed=0)
+
+
 # ----------------------------------------------------------------------------- config checks
+
+
+def test_config_refuses_a_revision_or_eval_split_where_it_cannot_act(tmp_path):
+    mixture = ["data=mixture", f"data.sources=[{{path: {ASSET_ROWS}}}]"]
+    cases = [
+        (["data.revision=v1"], r"data\.revision=v1 applies to Hub dataset ids only, and data\.path=.* is a local file"),
+        ([f"data.path={tmp_path}", "data.revision=v1"], r"data\.revision=v1 applies to .* is a local folder"),
+        (["data.path=owner/rows@v1", "data.revision=v2"], r"data\.path=owner/rows@v1 pins revision v1, but data\.rev"),
+        (["data.eval_split=test"], r"data\.eval_split=test: data\.path=.* names files, which have one split"),
+        ([f"data.path={tmp_path}", "data.eval_split=train"], r"data\.eval_split=train is also the split trained on"),
+        ([*mixture, "data.eval_split=test"], r"data\.eval_split=test applies to data\.path, not to a mixture"),
+        ([*mixture, "data.revision=v1"], r"data\.revision=v1 applies to data\.path, not to a mixture"),
+        (
+            ["data=mixture", f"data.sources=[{{path: {ASSET_ROWS}, eval_split: test}}]"],
+            r"sources\[0\]\.eval_split=test: ",
+        ),
+        (
+            ["data=mixture", f"data.sources=[{{path: {ASSET_ROWS}, revision: v1}}]"],
+            r"sources\[0\]\.revision=v1 applies",
+        ),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            compose_config(overrides)
+    cfg = compose_config(["data.path=owner/rows@v1", "data.revision=v1", f"data.eval_path={tmp_path}"])
+    assert (cfg.data.path, cfg.data.revision) == ("owner/rows@v1", "v1"), "the same revision twice is no conflict"
 
 
 @pytest.mark.parametrize("path", ["./no/such/rows.jsonl", "/no/such/folder", "~/no/such/rows.parquet", "rows.csv"])
