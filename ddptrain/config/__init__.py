@@ -1,5 +1,6 @@
 """Typed run configuration: one module per Hydra config group, each with its schema dataclasses, its enums and its
-checks side by side (``model``, ``data``, ``parallel``, ``optim``, ``trainer``, ``logger``, mirroring ``conf/``),
+checks side by side (``model``, ``data``, ``parallel``, ``optim``, ``trainer``, ``logger``, mirroring ``conf/``, and ``plan``,
+the memory plan's keys, which need no YAML),
 the root run config (``run``), the Hydra glue (``hydra``) and what the checks share (``checks``).
 
 The schemas are registered in Hydra's ConfigStore (``register_configs``) so that a
@@ -29,6 +30,7 @@ from ddptrain.config.logger import (
 from ddptrain.config.model import Attention, DType, ModelConfig, ModelInit, resolve_precision
 from ddptrain.config.optim import OptimConfig, Scheduler
 from ddptrain.config.parallel import Backend, CommHook, ParallelConfig, StartMethod
+from ddptrain.config.plan import PlanConfig
 from ddptrain.config.run import (
     ConfigError,
     RunConfig,
@@ -58,6 +60,7 @@ __all__ = [
     "ModelInit",
     "OptimConfig",
     "ParallelConfig",
+    "PlanConfig",
     "Precision",
     "RunConfig",
     "Scheduler",

@@ -15,6 +15,7 @@ from ddptrain.config.logger import LoggerConfig, _check_loggers
 from ddptrain.config.model import ModelConfig, _check_model
 from ddptrain.config.optim import OptimConfig, _check_optim
 from ddptrain.config.parallel import ParallelConfig, _check_parallel
+from ddptrain.config.plan import PlanConfig, _check_plan
 from ddptrain.config.trainer import TrainerConfig, _check_trainer
 
 
@@ -34,6 +35,7 @@ class RunConfig:
     optim: OptimConfig = MISSING
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -51,6 +53,7 @@ def validate(cfg: RunConfig) -> None:
         + _check_optim(cfg.optim, cfg.data)
         + _check_trainer(cfg.trainer)
         + _check_loggers(cfg.logger)
+        + _check_plan(cfg.plan)
     )
     if problems:
         raise ConfigError(problems)

@@ -1,0 +1,75 @@
+"""``python -m ddptrain.plan [--world-size N] [overrides]``: will the run fit? Every rank's predicted peak memory.
+
+One process, no workers, no weights: the run's config is composed from the same overrides as ``python -m ddptrain``
+(and checked the same way), its data tokenized through the same cache a run uses and batched by the same plan, and
+its model simulated on fake tensors from its architecture config (``ddptrain.plan.simulate``). Exit status: 0 when
+the run fits (or no device size is known), 3 when it does not, 2 for a configuration error, 1 for unreadable data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from ddptrain.config import ConfigError
+from ddptrain.config.run import resolve_global_batch_size
+from ddptrain.preview import _data_side_logged, compose_run_config, planned_world_size
+
+DOES_NOT_FIT = 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddptrain.plan",
+        description="Predict every rank's peak memory for a run, before it starts. Any other argument is a Hydra "
+        "override, as for python -m ddptrain.",
+    )
+    parser.add_argument("--world-size", type=int, help="ranks to plan for, all nodes (default parallel.nproc_per_node)")
+    parser.add_argument("--no-levers", action="store_true", help="skip the largest batch and the levers (faster)")
+    parser.add_argument("--config-dir", type=Path, help="a recipe folder, as for python -m ddptrain")
+    parser.add_argument("--config-name", default="train", help="the config in --config-dir (default train)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, overrides = parser.parse_known_args(argv)
+    flags = [o for o in overrides if o.startswith("-")]
+    if flags:
+        parser.error(f"unknown option {flags[0]}: options are listed by --help, the rest are Hydra overrides")
+    started = time.monotonic()
+    try:
+        cfg = compose_run_config(overrides, args.config_dir, args.config_name)
+        world_size = planned_world_size(cfg, args.world_size)
+        cfg = resolve_global_batch_size(cfg, world_size)
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        print(f"ddptrain.plan: invalid configuration:\n{err}", file=sys.stderr)
+        return 2
+    from ddptrain.data.mixture import build_datasets  # torch, transformers, datasets: after the config check
+    from ddptrain.model import build_tokenizer
+    from ddptrain.plan.planner import make_plan
+    from ddptrain.plan.render import render_plan
+
+    try:
+        with _data_side_logged():
+            tokenizer = build_tokenizer(cfg.model)
+            data = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+        plan = make_plan(cfg, data, world_size, with_levers=not args.no_levers)
+    except (OSError, ValueError) as err:  # unreadable data, config or tokenizer; data too small for a micro-step
+        print(f"ddptrain.plan: {err}", file=sys.stderr)
+        return 1
+    title = (
+        f"memory plan: model.name_or_path={cfg.model.name_or_path}, {world_size} rank(s) on {plan.device}, "
+        f"data.batching={cfg.data.batching.value} (planned in {time.monotonic() - started:.0f} s, no weights loaded)"
+    )
+    print(render_plan(plan, title))
+    return DOES_NOT_FIT if plan.fits is False else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

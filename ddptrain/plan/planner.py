@@ -1,0 +1,164 @@
+"""``make_plan``: the run's memory plan from its config and its tokenized data, and the levers that change it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import numpy as np
+from transformers import AutoConfig, PretrainedConfig
+
+from ddptrain.config import Batching, ModelConfig, ModelInit, RunConfig
+from ddptrain.data.loader import build_batching_spec
+from ddptrain.data.plan import BatchingSpec, plan_epoch
+from ddptrain.data.tokenized import TokenizedData
+from ddptrain.plan.batches import Candidate, eval_candidate, training_candidates
+from ddptrain.plan.budget import (
+    Lever,
+    MemoryPlan,
+    StepPeak,
+    device_bytes,
+    eval_peak,
+    fixed_costs,
+    held_memory,
+    largest_fitting,
+    planned_device,
+    precision_of,
+    step_peak,
+)
+from ddptrain.plan.simulate import FakeModel
+
+log = logging.getLogger(__name__)
+
+
+def architecture(cfg: ModelConfig) -> tuple[PretrainedConfig, str]:
+    """The model's architecture config and where it was read: model.config_path for model.init=random; for
+    pretrained weights the config next to them when it is at hand (a folder, the Hub cache), else
+    model.config_path, else the Hub (config.json only: planning never reads weights)."""
+    if cfg.init == ModelInit.random:
+        source = cfg.config_path or cfg.name_or_path
+        return AutoConfig.from_pretrained(source), source
+    try:
+        return AutoConfig.from_pretrained(cfg.name_or_path, local_files_only=True), cfg.name_or_path
+    except OSError:
+        if cfg.config_path:
+            return AutoConfig.from_pretrained(cfg.config_path), cfg.config_path
+    return AutoConfig.from_pretrained(cfg.name_or_path), cfg.name_or_path
+
+
+def make_plan(cfg: RunConfig, data: TokenizedData, world_size: int, with_levers: bool = True) -> MemoryPlan:
+    """Every rank's predicted peak for the run ``cfg`` on ``world_size`` ranks, with its data already tokenized."""
+    device = planned_device(cfg)
+    config, _ = architecture(cfg.model)
+    precision = precision_of(cfg, device)
+    model = FakeModel(config, cfg.model, precision)
+    spec = build_batching_spec(cfg.data, world_size, cfg.optim.grad_accum_steps, cfg.trainer.seed)
+    weights, trainable, gradients, optimizer = held_memory(model, cfg, world_size)
+    plan = MemoryPlan(
+        device=device,
+        device_bytes=device_bytes(cfg, device),
+        weights=weights,
+        trainable=trainable,
+        gradients=gradients,
+        optimizer=optimizer,
+        fixed=fixed_costs(device, world_size),
+        ranks=_rank_peaks(model, training_candidates(data, spec, epochs_to_search(cfg, data, spec))),
+    )
+    evaluated = eval_candidate(data, cfg.data.micro_batch_size, world_size, spec)
+    plan.eval = eval_peak(model, evaluated) if evaluated else None
+    if with_levers:
+        shape = plan.fullest.candidate.shape
+        plan.largest = largest_fitting(plan, model, cfg, shape.targets / shape.tokens)
+        plan.levers = levers(plan, cfg, data, spec, config, model)
+    return plan
+
+
+def epochs_to_search(cfg: RunConfig, data: TokenizedData, spec: BatchingSpec) -> int:
+    """The epochs the run trains (from trainer.max_steps, else trainer.epochs), at most plan.max_epochs."""
+    epochs = cfg.trainer.epochs
+    if cfg.trainer.max_steps is not None:
+        lengths = np.asarray(data.train["length"], dtype=np.int64)
+        if data.epoch_rows is not None:
+            lengths = lengths[np.asarray(data.epoch_rows(0), dtype=np.int64)]
+        micro_steps = len(plan_epoch(lengths, spec, 0))
+        epochs = math.ceil(cfg.trainer.max_steps * spec.grad_accum_steps / max(micro_steps, 1))
+    return epochs if cfg.plan.max_epochs == 0 else min(epochs, cfg.plan.max_epochs)
+
+
+def _rank_peaks(model: FakeModel, candidates: list[Candidate]) -> list[StepPeak]:
+    """Each rank's fullest step among its candidates."""
+    peaks: dict[int, StepPeak] = {}
+    for candidate in candidates:
+        step = step_peak(model, candidate)
+        current = peaks.get(candidate.rank)
+        if current is None or step.activations + step.transient > current.activations + current.transient:
+            peaks[candidate.rank] = step
+    return [peaks[rank] for rank in sorted(peaks)]
+
+
+def levers(
+    plan: MemoryPlan, cfg: RunConfig, data: TokenizedData, spec: BatchingSpec, config: PretrainedConfig, model
+) -> list[Lever]:
+    """What each setting ddptrain offers would make of the fullest rank's peak, simulated, not estimated."""
+    m = cfg.model
+    found = []
+    fullest = [plan.fullest.candidate]
+    if not m.gradient_checkpointing:
+        found.append(
+            _model_lever(plan, cfg, config, fullest, "model.gradient_checkpointing=true", gradient_checkpointing=True)
+        )
+    if m.loss_chunk_tokens == 0:
+        found.append(_model_lever(plan, cfg, config, fullest, "model.loss_chunk_tokens=512", loss_chunk_tokens=512))
+    if m.lora and m.lora_rank >= 2:
+        found.append(
+            _model_lever(plan, cfg, config, fullest, f"model.lora_rank={m.lora_rank // 2}", lora_rank=m.lora_rank // 2)
+        )
+    found += _batch_levers(plan, cfg, data, spec, model)
+    return [lever for lever in found if lever.peak < plan.peak(plan.fullest)]
+
+
+def _model_lever(
+    plan: MemoryPlan, cfg: RunConfig, config: PretrainedConfig, candidates, overrides: str, **changes
+) -> Lever:
+    changed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
+    model = FakeModel(config, changed.model, precision_of(cfg, plan.device))
+    weights, _, gradients, optimizer = held_memory(model, changed, len(plan.ranks))
+    other = dataclasses.replace(plan, weights=weights, gradients=gradients, optimizer=optimizer)
+    return Lever(overrides, max(other.peak(step_peak(model, c)) for c in candidates))
+
+
+def _batch_levers(plan: MemoryPlan, cfg: RunConfig, data: TokenizedData, spec: BatchingSpec, model) -> list[Lever]:
+    """A smaller micro-batch with more accumulation (the same global batch), and a shorter data.max_length where
+    rows are longer: each re-planned on epoch 0 of the data."""
+    d, found = cfg.data, []
+    accumulate = f"optim.grad_accum_steps={spec.grad_accum_steps * 2}"
+    if d.batching in (Batching.random, Batching.length_grouped) and d.micro_batch_size >= 2:
+        smaller = dataclasses.replace(
+            spec, micro_batch_size=d.micro_batch_size // 2, grad_accum_steps=spec.grad_accum_steps * 2
+        )
+        found.append(
+            _replanned(plan, model, data, smaller, f"data.micro_batch_size={d.micro_batch_size // 2} {accumulate}")
+        )
+    elif d.batching in (Batching.token_budget, Batching.packed) and d.max_tokens_per_batch // 2 >= d.max_length:
+        half = d.max_tokens_per_batch // 2
+        smaller = dataclasses.replace(spec, max_tokens_per_batch=half, grad_accum_steps=spec.grad_accum_steps * 2)
+        found.append(_replanned(plan, model, data, smaller, f"data.max_tokens_per_batch={half} {accumulate}"))
+    shorter = d.max_length // 2
+    if shorter >= 16 and max(data.train["length"]) > shorter:
+        found.append(_replanned(plan, model, data, spec, f"data.max_length={shorter}", max_length=shorter))
+    return found
+
+
+def _replanned(
+    plan: MemoryPlan,
+    model: FakeModel,
+    data: TokenizedData,
+    spec: BatchingSpec,
+    overrides: str,
+    max_length: int | None = None,
+) -> Lever:
+    candidates = training_candidates(data, spec, epochs=1, max_length=max_length)
+    # The rank with the most padded tokens stands for all: each simulation of a 7B model takes seconds.
+    costliest = max(candidates, key=lambda c: (c.shape.tokens, c.shape.width))
+    return Lever(overrides, plan.peak(step_peak(model, costliest)), "epoch 0's plan")

@@ -1,0 +1,78 @@
+"""The memory plan as text: the table ``python -m ddptrain.plan`` prints and a run logs at start."""
+
+from __future__ import annotations
+
+from ddptrain.plan.budget import ALLOCATOR_SLACK, GIB, MemoryPlan, StepPeak
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _shape(step: StepPeak) -> str:
+    s = step.candidate.shape
+    layout = f"1 packed row of {s.width} tokens" if s.packed else f"{s.rows} x {s.width} tokens"
+    return f"{layout}, {s.targets} trained ({step.candidate.where})"
+
+
+def render_plan(plan: MemoryPlan, title: str) -> str:
+    """The per-rank breakdown (GiB), the eval peak, the verdict, the largest batch that fits and the levers."""
+    lines = [title, ""]
+    header = f"{'GiB per rank':<34}" + "".join(f"{'rank ' + str(s.candidate.rank):>10}" for s in plan.ranks)
+    lines.append(header)
+
+    def row(label: str, values: list[int]) -> None:
+        lines.append(f"{label:<34}" + "".join(f"{_gib(v):>10}" for v in values))
+
+    n = len(plan.ranks)
+    for dtype, size in sorted(plan.weights.items()):
+        row(f"weights ({dtype})", [size] * n)
+    row(f"gradients ({plan.trainable:,} trainable)", [plan.gradients] * n)
+    row("optimizer states (AdamW)", [plan.optimizer] * n)
+    row("activations kept for backward", [s.activations for s in plan.ranks])
+    row("transient (LM head, backward)", [s.transient for s in plan.ranks])
+    for name, size in plan.fixed.items():
+        row(name, [size] * n)
+    if plan.device == "cuda":
+        row(
+            f"allocator slack ({ALLOCATOR_SLACK:.0%})",
+            [plan.peak(s) - plan.held - s.activations - s.transient for s in plan.ranks],
+        )
+    row("peak", [plan.peak(s) for s in plan.ranks])
+    lines.append("")
+    for s in plan.ranks:
+        lines.append(f"rank {s.candidate.rank}'s costliest micro-batch: {_shape(s)}")
+    if plan.eval is not None:
+        lines.append(f"evaluation peak: {_gib(plan.peak(plan.eval))} GiB ({_shape(plan.eval)})")
+    lines += ["", verdict(plan)]
+    if plan.largest:
+        lines.append(f"largest that fits: {plan.largest}")
+    if plan.levers:
+        lines.append(f"levers (the fullest rank's peak, now {_gib(plan.peak(plan.fullest))} GiB):")
+        width = max(len(lever.overrides) for lever in plan.levers)
+        for lever in sorted(plan.levers, key=lambda lever: lever.peak):
+            saved = plan.peak(plan.fullest) - lever.peak
+            note = f" ({lever.note})" if lever.note else ""
+            lines.append(f"  {lever.overrides:<{width}}  {_gib(lever.peak)} GiB, {_gib(saved)} GiB less{note}")
+    return "\n".join(lines)
+
+
+def verdict(plan: MemoryPlan) -> str:
+    """One line: fits (with the margin) or does not (by how much), or no verdict without a device size."""
+    worst, rank = plan.worst, plan.fullest.candidate.rank
+    when = "evaluation" if plan.eval is not None and plan.peak(plan.eval) > plan.peak(plan.fullest) else f"rank {rank}"
+    if plan.device_bytes is None:
+        return (
+            f"predicted peak {_gib(worst)} GiB ({when}); no device size to compare with: set plan.device_memory_gb "
+            "(GiB per device) for a verdict"
+        )
+    share = worst / plan.device_bytes
+    if plan.fits:
+        return (
+            f"fits: predicted peak {_gib(worst)} GiB ({when}) of {_gib(plan.device_bytes)} GiB, {share:.0%} used, "
+            f"{_gib(plan.device_bytes - worst)} GiB to spare"
+        )
+    return (
+        f"DOES NOT FIT: predicted peak {_gib(worst)} GiB ({when}) of {_gib(plan.device_bytes)} GiB, "
+        f"{_gib(worst - plan.device_bytes)} GiB over"
+    )

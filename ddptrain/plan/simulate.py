@@ -1,0 +1,276 @@
+"""One micro-step of the run's model simulated on fake tensors: what it keeps for backward and its peak.
+
+The model is built from its config on the meta device (no weights, no memory), with the run's LoRA, gradient
+checkpointing, attention kernel and loss head, and its parameters turned into fake tensors (``FakeTensorMode``:
+shapes, dtypes and strides, no data). A forward pass and a backward pass then run for a micro-batch of a given shape
+under the run's autocast, through the same transformers, peft and ddptrain code a real step runs. Nothing is written
+per architecture: any causal LM in transformers plans, and what each op saves is whatever that op saves.
+
+Two figures come out, both counted on the simulated tensors:
+- **saved**: the bytes the forward pass keeps for backward (``torch.autograd.graph.saved_tensors_hooks``, each
+  storage once, parameters excluded): with gradient checkpointing, the checkpointed layers' inputs;
+- **peak**: the most bytes alive at once during forward and backward (every tensor an op creates, freed when the
+  last tensor on its storage is), beyond the parameters and the gradients' own buffers (DDP's buckets): the saved
+  activations plus the transients on top of them (the LM head's logits chunk, a layer recomputed under
+  checkpointing, the gradients flowing back through a layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from ddptrain.config import Attention, DType, ModelConfig
+from ddptrain.model import CausalLMLoss, apply_gradient_checkpointing, apply_lora
+from ddptrain.precision import TORCH_DTYPES
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """A collated micro-batch as the model sees it (``data.Collator``)."""
+
+    rows: int  # 1 when packed
+    width: int  # padded length of every row (packed: all samples' tokens)
+    targets: int  # positions whose next label is trained on: the LM head's rows
+    padded: bool = True  # some row is shorter than the width: transformers builds a padding mask
+    packed: bool = False  # samples concatenated, positions restarting: a block-diagonal mask
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.width
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes of one simulated micro-step (see the module's docstring)."""
+
+    saved: int  # kept for backward at the end of the forward pass
+    peak: int  # alive at once, at the step's fullest moment
+    head_transient: int  # of the peak's kind, in the LM head's loss alone (its logits chunks)
+
+
+class FakeModel:
+    """The run's model on fake tensors, stepped for any batch shape: two copies cut to the first 2 and 3 decoder
+    layers are simulated and every figure is carried on linearly to the model's own depth (decoder layers repeat one
+    structure; simulating 28 layers of a 7B model takes ten times as long and gives the same bytes)."""
+
+    def __init__(self, config: PretrainedConfig, cfg: ModelConfig, precision: DType):
+        self.layers = config.num_hidden_layers
+        self.cut = [_FakeDepth(_cut_to(config, n), cfg, precision) for n in (2, 3)] if self.layers > 3 else []
+        self.whole = None if self.cut else _FakeDepth(config, cfg, precision)
+        self.precision = precision
+        self.lm_head_rows = (self.whole or self.cut[0]).module.lm_head.weight.shape[0]
+        self.loss_chunk_tokens = cfg.loss_chunk_tokens
+
+    def _extend(self, measure) -> int:
+        if self.whole is not None:
+            return measure(self.whole)
+        two, three = (measure(model) for model in self.cut)
+        return two + (self.layers - 2) * (three - two)
+
+    def parameter_bytes(self) -> dict[str, int]:
+        """Bytes of the parameters by dtype name ("bfloat16", "float32")."""
+        names = {str(p.dtype).removeprefix("torch.") for p in (self.whole or self.cut[0]).module.parameters()}
+        return {name: self._extend(lambda m, n=name: m.parameter_bytes().get(n, 0)) for name in sorted(names)}
+
+    def trainable_parameters(self) -> tuple[int, int]:
+        """(count, bytes) of the trainable parameters."""
+        return self._extend(lambda m: m.trainable_parameters()[0]), self._extend(lambda m: m.trainable_parameters()[1])
+
+    def step(self, shape: BatchShape) -> StepMemory:
+        """One training micro-step of ``shape`` (see the module's docstring)."""
+        steps = {}
+
+        def measure(m: _FakeDepth, field: str) -> int:
+            if id(m) not in steps:
+                steps[id(m)] = m.step(shape)
+            return getattr(steps[id(m)], field)
+
+        return StepMemory(
+            saved=self._extend(lambda m: measure(m, "saved")),
+            peak=self._extend(lambda m: measure(m, "peak")),
+            head_transient=self.head_transient(shape),
+        )
+
+    def forward_peak(self, shape: BatchShape) -> int:
+        """The most bytes alive at once in a forward pass without gradients (evaluation)."""
+        return self._extend(lambda m: m.forward_peak(shape))
+
+    def head_transient(self, shape: BatchShape) -> int:
+        """The LM head loss's own transient bytes: its logits chunk (fp32) and that chunk in autocast's dtype."""
+        rows = min(self.loss_chunk_tokens or shape.targets, shape.targets)
+        half = 0 if self.precision == DType.fp32 else TORCH_DTYPES[self.precision].itemsize
+        return rows * self.lm_head_rows * (4 + half)
+
+
+def _cut_to(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    """A copy of ``config`` with its first ``layers`` decoder layers (and per-layer settings cut to match)."""
+    cut = copy.deepcopy(config)
+    cut.num_hidden_layers = layers
+    if isinstance(getattr(cut, "layer_types", None), list):
+        cut.layer_types = cut.layer_types[:layers]
+    return cut
+
+
+class _FakeDepth:
+    """The run's loss module (``CausalLMLoss``) on fake tensors at one depth, stepped for any batch shape."""
+
+    def __init__(self, config: PretrainedConfig, cfg: ModelConfig, precision: DType):
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.precision = precision
+        self.module = _fake_loss_module(config, cfg, self.mode)
+        self.trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self._parameter_storages = {_storage_key(p) for p in self.module.parameters()}
+
+    def step(self, shape: BatchShape) -> StepMemory:
+        """Forward and backward of one micro-batch of ``shape``, counted (see the module's docstring)."""
+        with self.mode:
+            batch = _fake_batch(shape)
+            # The gradients' buffers exist before the step (DDP's buckets): counted with the parameters, not here.
+            for p in self.trainable:
+                p.grad = torch.zeros_like(p)
+            saved: dict[int, int] = {}
+            live = LiveBytes(ignore=self._parameter_storages | {_storage_key(p.grad) for p in self.trainable})
+            with live, self._autocast(), _saved_bytes(saved, self._parameter_storages):
+                loss, _ = self.module(**batch)
+            kept = sum(saved.values())
+            with live:
+                loss.backward()
+            for p in self.trainable:
+                p.grad = None
+        return StepMemory(saved=kept, peak=live.peak, head_transient=0)
+
+    def forward_peak(self, shape: BatchShape) -> int:
+        """The most bytes alive at once in a forward pass without gradients (evaluation)."""
+        with self.mode, torch.no_grad():
+            batch = _fake_batch(shape)
+            live = LiveBytes(ignore=self._parameter_storages)
+            with live, self._autocast():
+                self.module(**batch)
+        return live.peak
+
+    def parameter_bytes(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for p in self.module.parameters():
+            name = str(p.dtype).removeprefix("torch.")
+            found[name] = found.get(name, 0) + p.numel() * p.element_size()
+        return found
+
+    def trainable_parameters(self) -> tuple[int, int]:
+        return sum(p.numel() for p in self.trainable), sum(p.numel() * p.element_size() for p in self.trainable)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == DType.fp32:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=TORCH_DTYPES[self.precision])
+
+
+def _fake_loss_module(config: PretrainedConfig, cfg: ModelConfig, mode: FakeTensorMode) -> CausalLMLoss:
+    """``model.build_model`` on the meta device, then every parameter and buffer made a fake CPU tensor."""
+    attention = cfg.attn_implementation
+    if attention == Attention.flash_attention_2:
+        # flash-attn cannot be imported without CUDA; its varlen kernel keeps what SDPA's fused kernels keep
+        # (the output and the log-sum-exp per head), without a mask.
+        attention = Attention.sdpa
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=attention.value
+        )
+    if cfg.lora:
+        model = apply_lora(model, cfg)
+    if cfg.gradient_checkpointing:
+        apply_gradient_checkpointing(model, cfg.gradient_checkpointing_reentrant)
+    module = CausalLMLoss(model, cfg.loss_chunk_tokens)
+    module.train()
+    with mode:
+        for owner in module.modules():
+            for name, p in owner._parameters.items():
+                if p is not None:
+                    fake = torch.empty_like(p, device="cpu")
+                    owner._parameters[name] = nn.Parameter(fake, requires_grad=p.requires_grad)
+            for name, b in owner._buffers.items():
+                if b is not None:
+                    owner._buffers[name] = torch.empty_like(b, device="cpu")
+    return module
+
+
+def _fake_batch(shape: BatchShape) -> dict[str, torch.Tensor]:
+    """What the collator hands the model for a micro-batch of ``shape``, as fake tensors (call inside the mode)."""
+    size = (shape.rows, shape.width)
+    batch = {
+        "input_ids": torch.zeros(size, dtype=torch.long),
+        "labels": torch.zeros(size, dtype=torch.long),
+        "target_index": torch.zeros(shape.targets, dtype=torch.long),
+    }
+    if shape.packed:
+        batch["position_ids"] = torch.zeros(size, dtype=torch.long)
+    elif shape.padded:
+        batch["attention_mask"] = torch.ones(size, dtype=torch.long)
+    return batch
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@contextlib.contextmanager
+def _saved_bytes(saved: dict[int, int], ignore: set[int]) -> Iterator[None]:
+    """Record in ``saved`` every storage autograd keeps for backward (by storage, so views count once)."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in ignore:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages alive while it is active: every op's outputs are counted until the last tensor that
+    views their storage is freed; ``peak`` is the most at any time. Storages in ``ignore`` are not counted."""
+
+    def __init__(self, ignore: set[int]):
+        super().__init__()
+        self.ignore = ignore
+        self.now = self.peak = 0
+        self._views: dict[int, int] = {}  # storage -> tensors alive on it
+        self._sizes: dict[int, int] = {}
+        self._tracked: dict[int, weakref.finalize] = {}  # id(tensor) -> its finalizer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t) not in self._tracked:
+                self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        key = _storage_key(t)
+        if key in self.ignore:
+            return
+        if key not in self._views:
+            self._views[key], self._sizes[key] = 0, t.untyped_storage().nbytes()
+            self.now += self._sizes[key]
+            self.peak = max(self.peak, self.now)
+        self._views[key] += 1
+        self._tracked[id(t)] = weakref.finalize(t, self._release, id(t), key)
+
+    def _release(self, tensor_id: int, key: int) -> None:
+        self._tracked.pop(tensor_id, None)
+        self._views[key] -= 1
+        if self._views[key] == 0:
+            self.now -= self._sizes.pop(key)
+            del self._views[key]

@@ -1,0 +1,134 @@
+"""The memory plan (issue 24): predicted activations against what a real step keeps, the costliest micro-batch
+against what the sampler hands each rank, and the command's verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig
+
+from ddptrain.config import DType, ModelConfig
+from ddptrain.data import build_datasets
+from ddptrain.data.collate import Collator
+from ddptrain.data.loader import build_batching_spec
+from ddptrain.data.sampler import DistributedBatchSampler
+from ddptrain.model import build_model, build_tokenizer
+from ddptrain.plan.__main__ import DOES_NOT_FIT, main
+from ddptrain.plan.planner import make_plan
+from ddptrain.plan.simulate import BatchShape, FakeModel
+from tests.conftest import compose_config
+
+TINY_QWEN2 = compose_config([]).model.name_or_path
+
+
+def tiny_llama(folder) -> str:
+    """A 5-layer Llama (more layers than the planner simulates: the rest is carried on from 2 and 3)."""
+    config = LlamaConfig(
+        vocab_size=4352,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def real_batch(shape: BatchShape) -> dict[str, torch.Tensor]:
+    """Tensors as the collator builds them: padded rows (every row after the first half as long), or one packed row
+    of four samples; ``shape.targets`` positions trained."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4000, (shape.rows, shape.width), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if shape.packed:
+        quarter = shape.width // 4
+        batch["position_ids"] = torch.arange(shape.width).remainder(quarter)[None]
+    else:
+        mask = torch.ones(shape.rows, shape.width, dtype=torch.long)
+        mask[1:, shape.width // 2 :] = 0
+        batch["attention_mask"] = mask
+    batch["target_index"] = torch.randperm(shape.rows * (shape.width - 1), generator=g)[: shape.targets].sort().values
+    return batch
+
+
+def bytes_saved_for_backward(model: torch.nn.Module, batch: dict, precision: DType) -> int:
+    """What a real step keeps for backward: every tensor autograd saves, each storage once, parameters aside."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == DType.bf16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(**batch)
+    return sum(kept.values())
+
+
+SHAPES = [
+    BatchShape(rows=8, width=64, targets=200),
+    BatchShape(rows=2, width=384, targets=300),
+    BatchShape(rows=1, width=512, targets=400, padded=False, packed=True),
+]
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+def test_predicted_activations_are_within_10_percent_of_what_a_real_step_keeps(architecture, tmp_path):
+    torch.manual_seed(0)
+    path = TINY_QWEN2 if architecture == "qwen2" else tiny_llama(tmp_path / "llama")
+    for checkpointing, precision in [(False, DType.fp32), (True, DType.fp32), (False, DType.bf16)]:
+        cfg = ModelConfig(name_or_path=path, init="random", dtype="fp32", gradient_checkpointing=checkpointing)
+        cfg = dataclasses.replace(cfg, lora_dropout=0.05)
+        predicted = FakeModel(AutoConfig.from_pretrained(path), cfg, precision)
+        model = build_model(cfg, seed=0, device=torch.device("cpu")).train()
+        for shape in SHAPES:
+            measured = bytes_saved_for_backward(model, real_batch(shape), precision)
+            case = f"{architecture}, checkpointing={checkpointing}, {precision.value}, {shape}"
+            assert predicted.step(shape).saved == pytest.approx(measured, rel=0.10), case
+
+
+def test_each_ranks_costliest_micro_batch_is_the_one_its_sampler_hands_it_in_any_epoch(datasets_cache):
+    settings = ["data.batching=random", "data.max_length=2048", "trainer.epochs=3", "trainer.seed=0"]
+    cfg = compose_config([*settings, f"data.cache_dir={datasets_cache}"])
+    data = build_datasets(cfg.data, build_tokenizer(cfg.model), cfg.trainer.seed)
+    plan = make_plan(cfg, data, world_size=2, with_levers=False)
+    spec = build_batching_spec(cfg.data, 2, cfg.optim.grad_accum_steps, cfg.trainer.seed)
+    collate = Collator(pad_id=0, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
+    rows = data.train.with_format(None, columns=["input_ids", "labels"])
+    later_epochs_cost_more = False
+    for rank, planned in enumerate(plan.ranks):
+        sampler = DistributedBatchSampler(data.train["length"], spec, rank, data.epoch_rows)
+        handed = []
+        for epoch in range(cfg.trainer.epochs):
+            sampler.set_epoch(epoch)
+            handed.append([collate([[rows[i] for i in row] for row in batch]) for batch in sampler])
+        cost = lambda b: (b["input_ids"].numel(), b["input_ids"].shape[1])  # noqa: E731
+        costliest = max((b for epoch in handed for b in epoch), key=cost)
+        later_epochs_cost_more |= cost(costliest) > max(cost(b) for b in handed[0])
+        shape = planned.candidate.shape
+        assert (shape.rows, shape.width) == tuple(costliest["input_ids"].shape), f"rank {rank}"
+        assert shape.targets == costliest["target_index"].numel(), f"rank {rank}"
+    assert later_epochs_cost_more, "the data no longer tells a search of epoch 0 alone from a search of every epoch"
+
+
+def test_the_command_says_whether_the_run_fits_and_what_would_make_it(capsys, datasets_cache):
+    common = [f"data.cache_dir={datasets_cache}", "data.max_rows=400"]
+    assert main([*common, "plan.device_memory_gb=0.04"]) == DOES_NOT_FIT
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT: predicted peak" in out
+    levers = out.split("levers (")[1].splitlines()[1:]
+    assert {line.split()[0] for line in levers} >= {"model.gradient_checkpointing=true", "data.max_length=256"}
+    assert main([*common, "plan.device_memory_gb=8"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: predicted peak" in out and "largest that fits: data.micro_batch_size=" in out
+    assert main([*common, "plan.device_memory_gb=-1"]) == 2
+    assert "plan.device_memory_gb=-1.0 must be positive" in capsys.readouterr().err
+    json.dumps(out)  # printable as it is
