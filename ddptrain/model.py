@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from ddptrain.config import Attention, ModelConfig, ModelInit
 from ddptrain.data.encode import IGNORE_INDEX
@@ -397,8 +397,24 @@ def apply_liger_kernel(cfg: ModelConfig, device: torch.device) -> None:
     patch(**{name: value for name, value in LIGER_KERNELS.items() if name in accepted})
 
 
-def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, model: nn.Module, cfg: ModelConfig) -> None:
-    """Every token id the data can hold (tokenizer ids, pad and EOS) has a row in the model's input embedding.
+def architecture_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The model's architecture config, without its weights: model.config_path (or model.name_or_path) for
+    model.init=random; for pretrained weights the config next to them when it is at hand (a folder, the Hub
+    cache), else model.config_path, else the config.json from the Hub."""
+    if cfg.init == ModelInit.random:
+        return AutoConfig.from_pretrained(cfg.config_path or cfg.name_or_path)
+    try:
+        return AutoConfig.from_pretrained(cfg.name_or_path, local_files_only=True)
+    except OSError:
+        if cfg.config_path:
+            return AutoConfig.from_pretrained(cfg.config_path)
+    return AutoConfig.from_pretrained(cfg.name_or_path)
+
+
+def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, model: nn.Module | int, cfg: ModelConfig) -> None:
+    """Every token id the data can hold (tokenizer ids, pad and EOS) has a row in the model's input embedding
+    (``model``: the model, or its number of embedding rows, e.g. the architecture config's vocab_size, so that the
+    check runs before any weight is loaded or any row tokenized).
 
     Without this check a mismatched pair fails deep inside the first forward pass with
     "IndexError: index out of range in self" (CUDA: a device-side assert).
@@ -406,7 +422,7 @@ def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, model: nn.Module, c
     Raises:
         ValueError: the tokenizer's ids reach past the embedding, naming both keys, both sizes and the fix.
     """
-    rows = model.get_input_embeddings().num_embeddings
+    rows = model if isinstance(model, int) else model.get_input_embeddings().num_embeddings
     special = {"pad": tokenizer.pad_token_id, "EOS": tokenizer.eos_token_id}
     needed = max([len(tokenizer)] + [i + 1 for i in special.values() if i is not None])
     if needed <= rows:

@@ -1,7 +1,7 @@
 """Typed run configuration: one module per Hydra config group, each with its schema dataclasses, its enums and its
-checks side by side (``model``, ``data``, ``parallel``, ``optim``, ``trainer``, ``logger``, mirroring ``conf/``, and ``plan``,
-the memory plan's keys, which need no YAML),
-the root run config (``run``), the Hydra glue (``hydra``) and what the checks share (``checks``).
+checks side by side (``model``, ``data``, ``parallel``, ``optim``, ``trainer``, ``logger``, mirroring ``conf/``, and
+``plan``, the memory plan's keys, which need no YAML), the root run config (``run``), the Hydra glue (``hydra``)
+and what the checks share (``checks``).
 
 The schemas are registered in Hydra's ConfigStore (``register_configs``) so that a
 misspelled key, a wrong type or an unknown choice fails while Hydra composes the

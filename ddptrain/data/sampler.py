@@ -57,6 +57,11 @@ class DistributedBatchSampler:
         return [[[tuple(int(rows[i]) for i in row) for row in batch] for batch in step] for step in plan]
 
     @property
+    def epoch_rows(self) -> EpochRows | None:
+        """The samples each epoch draws from (None: every sample, every epoch)."""
+        return self._epoch_rows
+
+    @property
     def epoch(self) -> int:
         """The epoch whose plan is loaded."""
         return self._epoch

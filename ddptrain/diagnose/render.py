@@ -57,14 +57,15 @@ def _lever_line(i: int, lever: dict) -> str:
 
 def _rank_table(report: dict) -> list[str]:
     head = (
-        "| rank | step s | data s | compute s | comm s | optimizer s | other s | busy s | mem peak GiB | reserved GiB |"
+        "| rank | step s | data s | compute s | comm s | optimizer s | other s | busy s | mem peak GiB | reserved GiB "
+        "| predicted GiB |"
     )
-    lines = [head, "|" + "---:|" * 10]
+    lines = [head, "|" + "---:|" * 11]
     for r in report["by_rank"]:
         cells = (
             [str(r["rank"])]
             + [_f(r.get(c)) for c in RANK_COLUMNS]
-            + [_f(r.get(m), ".2f") for m in ("mem_peak_gb", "mem_reserved_gb")]
+            + [_f(r.get(m), ".2f") for m in ("mem_peak_gb", "mem_reserved_gb", "mem_predicted_gb")]
         )
         lines.append("| " + " | ".join(cells) + " |")
     return lines if report["by_rank"] else ["No per-rank figures were logged."]
@@ -113,13 +114,22 @@ def _numbers(s: dict) -> list[str]:
         f"- tokens per optimizer step: {_f(s['tokens_per_step'], ',.0f')}; {s['world_size']} rank(s), "
         f"optim.grad_accum_steps={s['grad_accum_steps']}",
         f"- step time: {_f(s.get('step_time_s'))} s; TFLOP/s per rank: {_f(s.get('tflops'), '.3g')}; MFU: {mfu}",
-        f"- memory peak: {_f(s.get('mem_peak_gb'), '.2f')} GiB of {_f(s.get('mem_total_gb'), '.1f', 'n/a')}; "
-        f"allocator retries: {_f(s.get('alloc_retries'), 'd')}",
+        f"- memory peak: {_f(s.get('mem_peak_gb'), '.2f')} GiB of {_f(s.get('mem_total_gb'), '.1f', 'n/a')}"
+        + _predicted_text(s)
+        + f"; allocator retries: {_f(s.get('alloc_retries'), 'd')}",
         f"- all-reduce per step and rank: {_f((s.get('allreduce_bytes_per_step') or 0) / MIB, '.2f')} MiB in "
         f"{_f(s.get('allreduce_calls_per_step'), '.1f')} call(s)",
         f"- loss: {_f(s['loss_first'], '.4f')} → {_f(s['loss_last'], '.4f')}"
         + (f"; eval loss {s['eval_loss_last']:.4f}" if s.get("eval_loss_last") is not None else ""),
     ]
+
+
+def _predicted_text(s: dict) -> str:
+    """The memory plan's prediction beside the measured peak (runs that planned at start)."""
+    if s.get("mem_predicted_gb") is None:
+        return ""
+    device = f" of {s['mem_plan_device_gb']:.1f}" if s.get("mem_plan_device_gb") else ""
+    return f" (predicted before the start: {s['mem_predicted_gb']:.2f} GiB{device}, `python -m ddptrain.plan`)"
 
 
 def _warm_up_text(processes: int) -> str:

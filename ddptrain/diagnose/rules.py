@@ -86,6 +86,12 @@ def _memory_finding(s: dict, by_rank: list[dict], th: DiagnoseConfig) -> dict | 
     fullest, rank, measure = fullest_memory(s, by_rank)
     fullest = fullest or 0.0
     fraction = fullest / total if total else None
+    predicted = _predicted_fullest(s, by_rank)
+    measured_room = fraction is None or fraction < th.memory_fraction
+    if predicted is not None and measured_room and predicted[0] / predicted[2] >= th.memory_fraction:
+        # The memory plan's prediction flags what one run's measured peak may not have met yet (a longer batch).
+        fullest, rank, total = predicted
+        measure, fraction = "is predicted to need", fullest / total
     if not retries and (fraction is None or fraction < th.memory_fraction):
         return None
     who = "the fullest rank" if rank is None else f"rank {rank}"
@@ -100,6 +106,17 @@ def _memory_finding(s: dict, by_rank: list[dict], th: DiagnoseConfig) -> dict | 
     return _finding(
         "memory", 0.0, step, rule, why, rank=rank, mem_gb=fullest, mem_total_gb=total, alloc_retries=retries
     )
+
+
+def _predicted_fullest(s: dict, by_rank: list[dict]) -> tuple[float, int | None, float] | None:
+    """The memory plan's fullest rank (GiB, rank, device GiB), where the run planned at start and a device size is
+    known (the measured device total, else the plan's)."""
+    device = s.get("mem_total_gb") or s.get("mem_plan_device_gb")
+    predicted = [(r["mem_predicted_gb"], r["rank"]) for r in by_rank if r.get("mem_predicted_gb") is not None]
+    if not device or not predicted:
+        return None
+    gb, rank = max(predicted, key=lambda pair: (pair[0], -pair[1]))
+    return gb, rank, device
 
 
 def _compute_finding(s: dict, split: StepSplit) -> dict:

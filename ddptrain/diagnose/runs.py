@@ -222,7 +222,12 @@ def per_rank(records: list[dict]) -> list[dict]:
             for column in RANK_COLUMNS:
                 acc[column] += _weight(record) * _rank_value(entry, column)
     rows = {rank: {"rank": rank} | {c: acc[c] / acc["_w"] for c in RANK_COLUMNS} for rank, acc in sums.items()}
-    for key, name in (("mem_peak_gb_by_rank", "mem_peak_gb"), ("mem_reserved_gb_by_rank", "mem_reserved_gb")):
+    memory = (
+        ("mem_peak_gb_by_rank", "mem_peak_gb"),
+        ("mem_reserved_gb_by_rank", "mem_reserved_gb"),
+        ("mem_predicted_gb_by_rank", "mem_predicted_gb"),  # the memory plan's, logged once at start
+    )
+    for key, name in memory:
         for rank, peak in enumerate(_max_by_rank(records, key)):
             rows.setdefault(rank, {"rank": rank})[name] = peak
     return [rows[rank] for rank in sorted(rows)]
@@ -385,8 +390,11 @@ def _memory_summary(records: list[dict]) -> dict:
     """Memory peaks over every window (warm-up included: the costliest micro-batch is scheduled first)."""
     retries = [v for r in records if (v := as_number(r.get("alloc_retries"))) is not None]
     total = _max(records, "mem_total_gb")
+    predicted = [v for r in records for v in r.get("mem_predicted_gb_by_rank") or [] if as_number(v) is not None]
     return {
         "mem_peak_gb": _max(records, "mem_peak_gb"),
+        "mem_predicted_gb": max(predicted) if predicted else None,
+        "mem_plan_device_gb": _max(records, "mem_plan_device_gb"),
         "mem_total_gb": total,
         "alloc_retries": int(sum(retries)) if retries else None,
         # CUDA reports a device total; on CPU it is null and the peaks are the processes' resident memory.

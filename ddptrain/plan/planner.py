@@ -7,12 +7,13 @@ import logging
 import math
 
 import numpy as np
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
-from ddptrain.config import Batching, ModelConfig, ModelInit, RunConfig
+from ddptrain.config import Batching, RunConfig
 from ddptrain.data.loader import build_batching_spec
 from ddptrain.data.plan import BatchingSpec, plan_epoch
 from ddptrain.data.tokenized import TokenizedData
+from ddptrain.model import architecture_config
 from ddptrain.plan.batches import Candidate, eval_candidate, training_candidates
 from ddptrain.plan.budget import (
     Lever,
@@ -32,25 +33,17 @@ from ddptrain.plan.simulate import FakeModel
 log = logging.getLogger(__name__)
 
 
-def architecture(cfg: ModelConfig) -> tuple[PretrainedConfig, str]:
-    """The model's architecture config and where it was read: model.config_path for model.init=random; for
-    pretrained weights the config next to them when it is at hand (a folder, the Hub cache), else
-    model.config_path, else the Hub (config.json only: planning never reads weights)."""
-    if cfg.init == ModelInit.random:
-        source = cfg.config_path or cfg.name_or_path
-        return AutoConfig.from_pretrained(source), source
-    try:
-        return AutoConfig.from_pretrained(cfg.name_or_path, local_files_only=True), cfg.name_or_path
-    except OSError:
-        if cfg.config_path:
-            return AutoConfig.from_pretrained(cfg.config_path), cfg.config_path
-    return AutoConfig.from_pretrained(cfg.name_or_path), cfg.name_or_path
-
-
-def make_plan(cfg: RunConfig, data: TokenizedData, world_size: int, with_levers: bool = True) -> MemoryPlan:
-    """Every rank's predicted peak for the run ``cfg`` on ``world_size`` ranks, with its data already tokenized."""
+def make_plan(
+    cfg: RunConfig,
+    data: TokenizedData,
+    world_size: int,
+    with_levers: bool = True,
+    only_ranks: set[int] | None = None,
+) -> MemoryPlan:
+    """Every rank's predicted peak for the run ``cfg`` on ``world_size`` ranks, with its data already tokenized
+    (``only_ranks``: simulate these ranks' micro-batches alone, as each rank of a starting run does for itself)."""
     device = planned_device(cfg)
-    config, _ = architecture(cfg.model)
+    config = architecture_config(cfg.model)
     precision = precision_of(cfg, device)
     model = FakeModel(config, cfg.model, precision)
     spec = build_batching_spec(cfg.data, world_size, cfg.optim.grad_accum_steps, cfg.trainer.seed)
@@ -63,7 +56,7 @@ def make_plan(cfg: RunConfig, data: TokenizedData, world_size: int, with_levers:
         gradients=gradients,
         optimizer=optimizer,
         fixed=fixed_costs(device, world_size),
-        ranks=_rank_peaks(model, training_candidates(data, spec, epochs_to_search(cfg, data, spec))),
+        ranks=_rank_peaks(model, _of(training_candidates(data, spec, epochs_to_search(cfg, data, spec)), only_ranks)),
     )
     evaluated = eval_candidate(data, cfg.data.micro_batch_size, world_size, spec)
     plan.eval = eval_peak(model, evaluated) if evaluated else None
@@ -84,6 +77,10 @@ def epochs_to_search(cfg: RunConfig, data: TokenizedData, spec: BatchingSpec) ->
         micro_steps = len(plan_epoch(lengths, spec, 0))
         epochs = math.ceil(cfg.trainer.max_steps * spec.grad_accum_steps / max(micro_steps, 1))
     return epochs if cfg.plan.max_epochs == 0 else min(epochs, cfg.plan.max_epochs)
+
+
+def _of(candidates: list[Candidate], ranks: set[int] | None) -> list[Candidate]:
+    return candidates if ranks is None else [c for c in candidates if c.rank in ranks]
 
 
 def _rank_peaks(model: FakeModel, candidates: list[Candidate]) -> list[StepPeak]:

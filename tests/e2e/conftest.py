@@ -45,6 +45,7 @@ def debug_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
                 f"trainer.profile_steps=[{first},{last}]",
                 "trainer.progress_bar=false",
                 "data.eval_fraction=0",
+                "plan.at_start=true",  # the memory plan at start, beside the measured peaks in the report
                 "parallel.timeout_s=60",
                 f"trainer.output_dir={out / marker}",
             ],

@@ -65,6 +65,11 @@ def test_every_run_ends_with_a_report_and_a_verdict_on_the_console(profiled_run)
     assert result.stderr.index("Run report (") < result.stderr.index("ddptrain: done. Results in"), result.stderr
     last = [r for r in read_metrics(run_dir) if "loss" in r][-1]
     assert report["summary"]["tokens_per_s"] > 0 and last["tokens_per_s"] > 0
+    # plan.at_start=true: each rank's prediction beside its measured peak (no device size: no verdict from it).
+    predicted = [r["mem_predicted_gb"] for r in report["by_rank"]]
+    assert len(predicted) == 2 and all(0.05 < gb < 1.0 for gb in predicted), report["by_rank"]
+    assert "predicted before the start:" in (run_dir / "report.md").read_text()
+    assert "memory plan: predicted peak per rank" in (run_dir / "train.log").read_text()
 
 
 def test_diagnose_rewrites_the_report_with_plots_from_the_run_folder(run_copy) -> None:

@@ -122,3 +122,19 @@ def test_a_tokenizer_the_model_cannot_embed_stops_the_run_with_the_fix(tmp_path)
     assert "Use the model's own tokenizer" in summary
     assert "pick a model whose vocabulary covers this tokenizer (at least 151,646 embeddings)" in summary
     assert not processes_left_behind(marker)
+
+
+def test_a_run_the_memory_plan_says_will_not_fit_stops_before_loading_weights(tmp_path) -> None:
+    """2 ranks, the default tiny job on a device declared at 0.1 GiB: its costliest micro-batch (8 x 512 tokens)
+    is planned at about 0.12 GiB. Stopped on every rank before any weight loads, with the plan and the fix
+    (plan.stop_if_no_fit=false, which starts it all the same, is tested in tests/unit/test_plan.py)."""
+    args = ["plan.device_memory_gb=0.1", "trainer.progress_bar=false"]
+    output, marker, elapsed, rc = run_marked(args, tmp_path)
+    assert rc != 0 and elapsed < WALL_LIMIT_S, output[-3000:]
+    assert "DOES NOT FIT: predicted peak" in output and "levers (the fullest rank's peak" in output
+    assert "trainable of" not in output, "the model was built"  # build_model logs its parameter count
+    summary = output[output.rindex("ddptrain: training failed:") :]
+    failures = [line.strip() for line in summary.splitlines() if "(exit code" in line]
+    assert failures and all("RunDoesNotFit: the run does not fit: predicted peak" in f for f in failures), summary
+    assert "predicted to fit with " in summary and "To start anyway: plan.stop_if_no_fit=false." in summary
+    assert not processes_left_behind(marker)

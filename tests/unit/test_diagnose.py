@@ -187,6 +187,28 @@ def memory_run(path: Path, reserved, allocated=(70.0, 70.0), config="trainer:\n 
     return make_run(path, [record(5 * w, ranks, **cuda) for w in (1, 2, 3)], config)
 
 
+def test_a_rank_the_memory_plan_puts_near_full_is_flagged_before_it_runs_out(tmp_path):
+    """Measured peaks with room (the run has not met its costliest batch yet), a plan that says otherwise."""
+    ranks = [rank_entry(0, mem=40.0), rank_entry(1, mem=40.0)]
+    for name, device, predicted, flagged in [
+        ("cuda", {"mem_total_gb": 80.0}, [60.0, 77.0], True),
+        ("cpu", {"mem_plan_device_gb": 16.0}, [15.5, 12.0], True),
+        ("roomy", {"mem_total_gb": 80.0}, [60.0, 70.0], False),
+    ]:
+        plan = {"step": 0, "mem_predicted_gb_by_rank": predicted} | device
+        windows = [record(5 * w, ranks, **device) for w in (1, 2, 3)]
+        report = diagnose.build_report(make_run(tmp_path / name, [plan, *windows]))
+        assert (report["verdict"] == "memory") == flagged, name
+        assert [r["mem_predicted_gb"] for r in report["by_rank"]] == predicted, name
+        assert report["summary"]["mem_predicted_gb"] == max(predicted), name
+    again = [{"step": 0, "mem_predicted_gb_by_rank": [60.0, 77.0]}]
+    again += [record(5 * w, ranks, mem_total_gb=80.0) for w in (1, 2, 3)]
+    report = diagnose.build_report(make_run(tmp_path / "again", again))
+    assert report["findings"][0]["rule"].startswith("rank 1 is predicted to need 77.0 of 80.0 GiB = 96%")
+    markdown = diagnose.render_markdown(report)
+    assert "predicted before the start: 77.00 GiB" in markdown and "| predicted GiB |" in markdown
+
+
 def test_a_memory_tie_names_the_lowest_rank_as_the_balance_does(tmp_path):
     report = diagnose.build_report(memory_run(tmp_path, reserved=[76.0, 76.0]))
     assert report["findings"][0]["evidence"]["rank"] == 0

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig, LlamaConfig
 
-from ddptrain.config import DType, ModelConfig
+from ddptrain.config import DType, ModelConfig, PlanConfig
 from ddptrain.data import build_datasets
 from ddptrain.data.collate import Collator
 from ddptrain.data.loader import build_batching_spec
 from ddptrain.data.sampler import DistributedBatchSampler
 from ddptrain.model import build_model, build_tokenizer
 from ddptrain.plan.__main__ import DOES_NOT_FIT, main
+from ddptrain.plan.at_start import RunDoesNotFit, plan_at_start
 from ddptrain.plan.planner import make_plan
 from ddptrain.plan.simulate import BatchShape, FakeModel
 from tests.conftest import compose_config
@@ -132,3 +135,31 @@ def test_the_command_says_whether_the_run_fits_and_what_would_make_it(capsys, da
     assert main([*common, "plan.device_memory_gb=-1"]) == 2
     assert "plan.device_memory_gb=-1.0 must be positive" in capsys.readouterr().err
     json.dumps(out)  # printable as it is
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_starting_run_logs_its_plan_stops_where_it_does_not_fit_or_starts_when_told(
+    one_rank_group, datasets_cache, caplog
+):
+    cfg = compose_config(["parallel=single", "data.max_rows=400", f"data.cache_dir={datasets_cache}"])
+    data = build_datasets(cfg.data, build_tokenizer(cfg.model), cfg.trainer.seed)
+    assert plan_at_start(cfg, data, rank=0, world_size=1) is None, "CPU and no device size: no plan at start"
+    roomy = dataclasses.replace(cfg, plan=PlanConfig(device_memory_gb=8.0))
+    with caplog.at_level(logging.INFO, logger="ddptrain.plan"):
+        prediction = plan_at_start(roomy, data, rank=0, world_size=1)
+    assert "memory plan: predicted peak per rank" in caplog.text and "of 8.00 GiB per device" in caplog.text
+    assert len(prediction.train_gb) == 1 and 0.05 < prediction.train_gb[0] < 1.0
+    tight = dataclasses.replace(cfg, plan=PlanConfig(device_memory_gb=0.05))
+    with pytest.raises(RunDoesNotFit, match=r"does not fit: predicted peak .* over the device's 0\.05 GiB.*fit with"):
+        plan_at_start(tight, data, rank=0, world_size=1)
+    anyway = dataclasses.replace(cfg, plan=PlanConfig(device_memory_gb=0.05, stop_if_no_fit=False))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ddptrain.plan"):
+        assert plan_at_start(anyway, data, rank=0, world_size=1).train_gb == prediction.train_gb
+    assert "DOES NOT FIT" in caplog.text and "starting anyway: plan.stop_if_no_fit=false" in caplog.text

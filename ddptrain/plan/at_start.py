@@ -1,0 +1,111 @@
+"""The memory plan of a starting run: after tokenizing, before any weight loads, on every rank.
+
+Each rank simulates its own costliest micro-batches (``make_plan`` with ``only_ranks``), one gather gives every rank
+all the predictions, and every rank reaches the same verdict from them: a run that would not fit stops on every rank
+at once, before minutes of loading weights, with the plan in the log and the fix in the error. Where it fits the plan
+is logged, and the trainer hands the per-rank predictions to the report, beside the measured peaks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ddptrain import parallel
+from ddptrain.config import RunConfig
+from ddptrain.data.tokenized import TokenizedData
+from ddptrain.observe.console import RANK_ZERO_ONLY
+from ddptrain.plan.budget import GIB, MemoryPlan, planned_device
+from ddptrain.plan.planner import make_plan
+from ddptrain.plan.render import render_plan
+
+log = logging.getLogger(__name__)
+
+
+class RunDoesNotFit(RuntimeError):
+    """The plan predicts a peak beyond the device's memory (plan.stop_if_no_fit=true)."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the report carries: each rank's predicted peak of training and of evaluation, GiB."""
+
+    train_gb: list[float]
+    eval_gb: float | None
+    device_gb: float | None
+
+    def as_record(self) -> dict[str, object]:
+        """The metrics record the report reads (``diagnose.runs``): per rank, the larger of training and evaluation."""
+        evaluation = self.eval_gb or 0.0
+        return {
+            "mem_predicted_gb_by_rank": [max(gb, evaluation) for gb in self.train_gb],
+            "mem_plan_device_gb": self.device_gb,
+        }
+
+
+def wanted(cfg: RunConfig) -> bool:
+    """plan.at_start, where null means: on CUDA runs, and wherever plan.device_memory_gb is set."""
+    if cfg.plan.at_start is not None:
+        return cfg.plan.at_start
+    return planned_device(cfg) == "cuda" or cfg.plan.device_memory_gb is not None
+
+
+def plan_at_start(cfg: RunConfig, data: TokenizedData, rank: int, world_size: int) -> Prediction | None:
+    """Plan this rank, gather every rank's plan, log it and decide (the same on every rank).
+
+    Raises:
+        RunDoesNotFit: the fullest rank's predicted peak exceeds the device and plan.stop_if_no_fit is true; the
+            message (one line) names the peak, the device, the levers that would make it fit and the override.
+    """
+    if not wanted(cfg):
+        return None
+    mine = make_plan(cfg, data, world_size, with_levers=False, only_ranks={rank})
+    peaks = parallel.all_gather_object(mine.peak(mine.ranks[0]))
+    prediction = Prediction(
+        train_gb=[p / GIB for p in peaks],
+        eval_gb=mine.peak(mine.eval) / GIB if mine.eval else None,
+        device_gb=None if mine.device_bytes is None else mine.device_bytes / GIB,
+    )
+    worst = max([*peaks, mine.peak(mine.eval) if mine.eval else 0])
+    if mine.device_bytes is None or worst <= mine.device_bytes:
+        log.info("memory plan: %s", _summary(prediction), extra=RANK_ZERO_ONLY)
+        return prediction
+    # Every rank builds the fullest rank's whole plan (stopping: with the levers): the same message everywhere.
+    fullest = max(range(world_size), key=peaks.__getitem__)
+    stop = cfg.plan.stop_if_no_fit
+    full = make_plan(cfg, data, world_size, with_levers=stop, only_ranks={fullest})
+    text = render_plan(full, f"memory plan: {_summary(prediction)}")
+    if not stop:
+        log.warning("%s\nstarting anyway: plan.stop_if_no_fit=false", text, extra=RANK_ZERO_ONLY)
+        return prediction
+    log.error("%s", text, extra=RANK_ZERO_ONLY)
+    parallel.barrier()  # rank 0 has logged the plan: the first rank to fail would end the others' processes
+    raise RunDoesNotFit(_one_line(full))
+
+
+def _summary(p: Prediction) -> str:
+    ranks = ", ".join(f"{gb:.2f}" for gb in p.train_gb)
+    evaluation = f"; evaluation {p.eval_gb:.2f}" if p.eval_gb is not None else ""
+    device = f" of {p.device_gb:.2f} GiB per device" if p.device_gb is not None else " (no device size to compare with)"
+    return f"predicted peak per rank {ranks} GiB{evaluation}{device}"
+
+
+def _one_line(plan: MemoryPlan) -> str:
+    """The refusal as one line (the launcher reports each rank's last line): the overflow, the fix, the override."""
+    over = (plan.worst - plan.device_bytes) / GIB
+    fixes = [
+        f"{lever.overrides} ({lever.peak / GIB:.2f} GiB)"
+        for lever in sorted(plan.levers, key=lambda lever: lever.peak)
+        if lever.peak <= plan.device_bytes
+    ]
+    if plan.largest and not plan.largest.startswith("nothing"):
+        fixes.append(f"{plan.largest} (the largest that fits)")
+    if fixes:
+        advice = "predicted to fit with " + "; or ".join(fixes[:3])
+    else:
+        advice = "no single setting makes it fit: combine the levers of the plan logged above, or use larger devices"
+    return (
+        f"the run does not fit: predicted peak {plan.worst / GIB:.2f} GiB, {over:.2f} GiB over the device's "
+        f"{plan.device_bytes / GIB:.2f} GiB (plan.device_memory_gb, or the GPU's own); {advice}. Nothing was loaded. "
+        "To start anyway: plan.stop_if_no_fit=false."
+    )
