@@ -9,7 +9,7 @@ TORCH_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-quick lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data bench-chat-tokenize gpu-check clean
+.PHONY: setup train test test-quick lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data bench-chat-tokenize bench-memory-plan gpu-check clean
 
 setup: $(STAMP)
 
@@ -76,6 +76,10 @@ bench-data: setup
 bench-chat-tokenize: setup  ## conversations: the tokenizer's chat template against ChatML pieces
 	$(BIN)/python -m ddptrain.bench.chat_tokenize --data ../shared/data/alpaca/alpaca_data_52k.jsonl \
 		--tokenizer ../shared/data/tokenizers/qwen2 --rows 10000
+
+bench-memory-plan: setup  ## the memory plan: Qwen2.5-7B / 0.5B predictions, and predicted vs measured on this CPU
+	$(BIN)/python -m ddptrain.bench.memory_plan
+	$(BIN)/python -m ddptrain.bench.memory_plan --cpu-check
 
 gpu-check: setup  ## on a GPU machine: tests/gpu + the GPU throughput benchmark, one table (< 10 min)
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)
