@@ -411,6 +411,12 @@ def architecture_config(cfg: ModelConfig) -> PretrainedConfig:
     return AutoConfig.from_pretrained(cfg.name_or_path)
 
 
+def check_tokenizer_embeddable(tokenizer: PreTrainedTokenizerBase, cfg: ModelConfig) -> None:
+    """``check_tokenizer_fits`` against the architecture config's vocab_size: before any weight loads or any row is
+    tokenized (``build_model`` checks the built model's embedding again)."""
+    check_tokenizer_fits(tokenizer, architecture_config(cfg).vocab_size, cfg)
+
+
 def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, model: nn.Module | int, cfg: ModelConfig) -> None:
     """Every token id the data can hold (tokenizer ids, pad and EOS) has a row in the model's input embedding
     (``model``: the model, or its number of embedding rows, e.g. the architecture config's vocab_size, so that the

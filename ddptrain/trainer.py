@@ -19,15 +19,7 @@ import torch
 from ddptrain import checkpoint, model, parallel, rng
 from ddptrain.config import DType, RunConfig, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
-from ddptrain.data.tokenized import TokenizedData
-from ddptrain.model import (
-    architecture_config,
-    batch_to_device,
-    build_model,
-    build_tokenizer,
-    check_tokenizer_fits,
-    wants_varlen_lengths,
-)
+from ddptrain.model import batch_to_device, build_model, build_tokenizer, wants_varlen_lengths
 from ddptrain.observe import profiling, timing
 from ddptrain.observe.console import build_progress_bar
 from ddptrain.observe.flops import build_model_flops, matmul_dtype, peak_tflops
@@ -37,7 +29,7 @@ from ddptrain.optim import build_optimizer, build_scheduler, clip_gradients
 from ddptrain.parallel import DistEnv
 from ddptrain.plan.at_start import plan_at_start
 from ddptrain.precision import autocast, autocast_dtype
-from ddptrain.process import hangs, signals
+from ddptrain.process import signals
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +46,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, env: DistEnv, run_dir: Path):
         self.cfg, self.env, self.run_dir = cfg, env, run_dir
         self.tokenizer = build_tokenizer(cfg.model)
-        # A tokenizer the model cannot embed is refused before minutes of tokenizing (from the architecture's config).
-        check_tokenizer_fits(self.tokenizer, architecture_config(cfg.model).vocab_size, cfg.model)
+        model.check_tokenizer_embeddable(self.tokenizer, cfg.model)  # before minutes of tokenizing: from the config
         self.data: TrainingData = build_training_data(
             cfg.data,
             self.tokenizer,
@@ -64,11 +55,7 @@ class Trainer:
             grad_accum_steps=cfg.optim.grad_accum_steps,
             flash_varlen=wants_varlen_lengths(cfg.model),
         )
-        # Before any weight loads: a run whose costliest micro-batch would not fit stops here, on every rank.
-        tokenized = TokenizedData(self.data.train, self.data.eval, {}, self.data.sampler.epoch_rows)
-        hangs.board.enter("memory_plan")  # one gather of every rank's prediction
-        self.memory_plan = plan_at_start(cfg, tokenized, env.rank, env.world_size)
-        hangs.board.enter("build_model")
+        self.memory_plan = plan_at_start(cfg, self.data.tokenized, env.rank, env.world_size)  # no fit: stops here
         self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer)
         rng.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
         self.sampler, self.loader = self.data.sampler, self.data.loader
@@ -106,8 +93,7 @@ class Trainer:
         )
         self.clock.enter("resume")
         self.step = self.checkpointer.resume(cfg.trainer.resume) or 0
-        if self.memory_plan is not None:  # the report sets it beside the measured peaks
-            self.metrics.log({"step": self.step, **self.memory_plan.as_record()})
+        self.metrics.log(self.memory_plan.as_record(self.step))  # the report sets it beside the measured peaks
 
     # ------------------------------------------------------------------ loop
 

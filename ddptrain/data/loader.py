@@ -31,6 +31,7 @@ from ddptrain.data.mixture import build_datasets
 from ddptrain.data.plan import BatchingSpec
 from ddptrain.data.sampler import DistributedBatchSampler
 from ddptrain.data.show import marked_text
+from ddptrain.data.tokenized import TokenizedData
 from ddptrain.parallel import DistEnv
 from ddptrain.process import hangs, signals
 
@@ -57,6 +58,11 @@ class TrainingData:
     eval_collator: Collator
     eval_micro_batch_size: int
     env: DistEnv
+
+    @property
+    def tokenized(self) -> TokenizedData:
+        """The train and eval sets as the memory plan reads them (with the samples each epoch draws)."""
+        return TokenizedData(self.train, self.eval, {}, self.sampler.epoch_rows)
 
     def optimizer_steps(self) -> Iterator[list[dict[str, Any]]]:
         """The rest of the epoch, ``grad_accum_steps`` micro-batches at a time (the last step may be short)."""

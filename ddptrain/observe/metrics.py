@@ -30,6 +30,9 @@ class MetricsLogger:
         self.files = files or RunFiles()  # writes the run report
 
     def log(self, record: dict[str, Any]) -> None:
+        """Write ``record`` (an empty one is not written: nothing to log)."""
+        if not record:
+            return
         plain = {k: _plain(v) for k, v in record.items()}
         self.file.write(json.dumps(plain) + "\n")
         for logger in self.loggers:

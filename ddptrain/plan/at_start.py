@@ -18,6 +18,7 @@ from ddptrain.observe.console import RANK_ZERO_ONLY
 from ddptrain.plan.budget import GIB, MemoryPlan, planned_device
 from ddptrain.plan.planner import make_plan
 from ddptrain.plan.render import render_plan
+from ddptrain.process import hangs
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +31,18 @@ class RunDoesNotFit(RuntimeError):
 class Prediction:
     """What the report carries: each rank's predicted peak of training and of evaluation, GiB."""
 
-    train_gb: list[float]
-    eval_gb: float | None
-    device_gb: float | None
+    train_gb: list[float]  # empty: the run did not plan (plan.at_start)
+    eval_gb: float | None = None
+    device_gb: float | None = None
 
-    def as_record(self) -> dict[str, object]:
-        """The metrics record the report reads (``diagnose.runs``): per rank, the larger of training and evaluation."""
+    def as_record(self, step: int) -> dict[str, object]:
+        """The metrics record the report reads (``diagnose.runs``): per rank, the larger of training and evaluation;
+        empty (nothing is logged) when the run did not plan."""
+        if not self.train_gb:
+            return {}
         evaluation = self.eval_gb or 0.0
         return {
+            "step": step,
             "mem_predicted_gb_by_rank": [max(gb, evaluation) for gb in self.train_gb],
             "mem_plan_device_gb": self.device_gb,
         }
@@ -50,15 +55,17 @@ def wanted(cfg: RunConfig) -> bool:
     return planned_device(cfg) == "cuda" or cfg.plan.device_memory_gb is not None
 
 
-def plan_at_start(cfg: RunConfig, data: TokenizedData, rank: int, world_size: int) -> Prediction | None:
-    """Plan this rank, gather every rank's plan, log it and decide (the same on every rank).
+def plan_at_start(cfg: RunConfig, data: TokenizedData, rank: int, world_size: int) -> Prediction:
+    """Plan this rank, gather every rank's plan, log it and decide (the same on every rank): after tokenizing,
+    before any weight loads (``data``: the run's, ``TrainingData.tokenized``).
 
     Raises:
         RunDoesNotFit: the fullest rank's predicted peak exceeds the device and plan.stop_if_no_fit is true; the
             message (one line) names the peak, the device, the levers that would make it fit and the override.
     """
     if not wanted(cfg):
-        return None
+        return Prediction([])
+    hangs.board.enter("memory_plan")  # one gather of every rank's prediction
     mine = make_plan(cfg, data, world_size, with_levers=False, only_ranks={rank})
     peaks = parallel.all_gather_object(mine.peak(mine.ranks[0]))
     prediction = Prediction(
