@@ -107,9 +107,10 @@ def cpu_check(shapes: list[tuple[int, int]]) -> None:
             )
 
 
-def measure_cpu_step(rows: int, width: int, checkpointing: bool) -> float:
+def measure_cpu_step(rows: int, width: int, checkpointing: bool, path: str | None = None) -> float:
     """The peak resident memory one real micro-step adds (GiB), from a process that has built the model, its
-    gradients and the batch (the planner counts those as held before the step)."""
+    gradients and the batch (the planner counts those as held before the step). ``path``: an architecture config
+    folder (default: the bundled tiny Qwen2)."""
     import gc
     import resource
 
@@ -118,7 +119,7 @@ def measure_cpu_step(rows: int, width: int, checkpointing: bool) -> float:
 
     torch.set_num_threads(1)
     cfg = dataclasses.replace(
-        ModelConfig(name_or_path=str(ASSETS_DIR / "tiny_qwen2"), init="random", dtype="fp32"),
+        ModelConfig(name_or_path=path or str(ASSETS_DIR / "tiny_qwen2"), init="random", dtype="fp32"),
         lora_dropout=0.05,
         gradient_checkpointing=checkpointing,
     )
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--cpu-check", action="store_true", help="predicted against measured on this CPU (the tiny Qwen2)"
     )
-    parser.add_argument("--measure-cpu-step", help=argparse.SUPPRESS)  # [rows, width, checkpointing]: one process
+    parser.add_argument("--measure-cpu-step", help=argparse.SUPPRESS)  # [rows, width, checkpointing, path?]
     args = parser.parse_args(argv)
     if args.measure_cpu_step:
         import json

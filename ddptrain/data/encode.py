@@ -195,9 +195,10 @@ def _direct_renderer(tokenizer: PreTrainedTokenizerBase, chat_template: str, ref
     prompt."""
     try:
         from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:
+
+        compiled = _compile_jinja_template(chat_template)
+    except Exception:  # another transformers, or a template it compiles otherwise: apply_chat_template renders
         return None
-    compiled = _compile_jinja_template(chat_template)
     variables = dict(tokenizer.special_tokens_map)
 
     def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:

@@ -70,6 +70,9 @@ def load_rows(
             )
         with _offline_mode(offline):
             local = _local_copy(source, revision, offline)
+            if offline and revision and local == source.repo_id:
+                # datasets' offline fallback would load whichever revision it cached last, not this one
+                raise datasets.exceptions.DatasetNotFoundError(f"no snapshot of revision {revision} in the Hub cache")
             at = {"revision": revision} if local == source.repo_id else {}  # a folder or a snapshot is one revision
             return datasets.load_dataset(local, name=subset, split=split, cache_dir=cache_dir, **at)
     except Exception as exc:  # datasets wraps parse errors several layers deep

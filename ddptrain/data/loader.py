@@ -245,6 +245,8 @@ class DataOrder:
             "dataset_rows": dataset_rows,
             # Empty without a mixture (older checkpoints keep no sources then: checkpoint_format reads them).
             "sources": [json.dumps(dataclasses.asdict(s), default=str) for s in cfg.sources],
+            # Only when set: checkpoints from before these keys resume as before.
+            **{key: value for key, value in (("revision", cfg.revision), ("eval_split", cfg.eval_split)) if value},
         }
         return cls(values)
 

@@ -8,6 +8,7 @@ is logged, and the trainer hands the per-rank predictions to the report, beside 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -32,20 +33,17 @@ class Prediction:
     """What the report carries: each rank's predicted peak of training and of evaluation, GiB."""
 
     train_gb: list[float]  # empty: the run did not plan (plan.at_start)
+    allocated_gb: list[float] = dataclasses.field(default_factory=list)  # without fixed costs and allocator slack
     eval_gb: float | None = None
     device_gb: float | None = None
 
     def as_record(self, step: int) -> dict[str, object]:
-        """The metrics record the report reads (``diagnose.runs``): per rank, the larger of training and evaluation;
-        empty (nothing is logged) when the run did not plan."""
+        """The metrics record the report reads (``diagnose.runs``): per rank, the training step's peak as the
+        allocator counts it (``max_memory_allocated``: no CUDA context, NCCL buffers or slack), the figure the report
+        measures; empty (nothing is logged) when the run did not plan."""
         if not self.train_gb:
             return {}
-        evaluation = self.eval_gb or 0.0
-        return {
-            "step": step,
-            "mem_predicted_gb_by_rank": [max(gb, evaluation) for gb in self.train_gb],
-            "mem_plan_device_gb": self.device_gb,
-        }
+        return {"step": step, "mem_predicted_gb_by_rank": self.allocated_gb, "mem_plan_device_gb": self.device_gb}
 
 
 def wanted(cfg: RunConfig) -> bool:
@@ -65,11 +63,24 @@ def plan_at_start(cfg: RunConfig, data: TokenizedData, rank: int, world_size: in
     """
     if not wanted(cfg):
         return Prediction([])
+    try:
+        return _plan_and_decide(cfg, data, rank, world_size)
+    finally:
+        hangs.board.enter("build_model")  # what the trainer does next: weights load (a hang report names it)
+
+
+def _plan_and_decide(cfg: RunConfig, data: TokenizedData, rank: int, world_size: int) -> Prediction:
     hangs.board.enter("memory_plan")  # one gather of every rank's prediction
     mine = make_plan(cfg, data, world_size, with_levers=False, only_ranks={rank})
-    peaks = parallel.all_gather_object(mine.peak(mine.ranks[0]))
+    # Each rank's peak, its peak as the allocator counts it (the report's measured figure), and its device: the
+    # smallest device decides for all, so that every rank reaches the same verdict.
+    gathered = parallel.all_gather_object((mine.peak(mine.ranks[0]), mine.allocated(mine.ranks[0]), mine.device_bytes))
+    peaks = [peak for peak, _, _ in gathered]
+    devices = [device for _, _, device in gathered if device is not None]
+    mine.device_bytes = min(devices) if devices else None
     prediction = Prediction(
         train_gb=[p / GIB for p in peaks],
+        allocated_gb=[allocated / GIB for _, allocated, _ in gathered],
         eval_gb=mine.peak(mine.eval) / GIB if mine.eval else None,
         device_gb=None if mine.device_bytes is None else mine.device_bytes / GIB,
     )
@@ -81,6 +92,7 @@ def plan_at_start(cfg: RunConfig, data: TokenizedData, rank: int, world_size: in
     fullest = max(range(world_size), key=peaks.__getitem__)
     stop = cfg.plan.stop_if_no_fit
     full = make_plan(cfg, data, world_size, with_levers=stop, only_ranks={fullest})
+    full.device_bytes = mine.device_bytes
     text = render_plan(full, f"memory plan: {_summary(prediction)}")
     if not stop:
         log.warning("%s\nstarting anyway: plan.stop_if_no_fit=false", text, extra=RANK_ZERO_ONLY)
@@ -100,12 +112,13 @@ def _summary(p: Prediction) -> str:
 def _one_line(plan: MemoryPlan) -> str:
     """The refusal as one line (the launcher reports each rank's last line): the overflow, the fix, the override."""
     over = (plan.worst - plan.device_bytes) / GIB
+    evaluation = plan.peak(plan.eval) if plan.eval else 0  # the levers re-plan training only
     fixes = [
         f"{lever.overrides} ({lever.peak / GIB:.2f} GiB)"
         for lever in sorted(plan.levers, key=lambda lever: lever.peak)
-        if lever.peak <= plan.device_bytes
+        if max(lever.peak, evaluation) <= plan.device_bytes
     ]
-    if plan.largest and not plan.largest.startswith("nothing"):
+    if plan.largest and not plan.largest.startswith("nothing") and evaluation <= plan.device_bytes:
         fixes.append(f"{plan.largest} (the largest that fits)")
     if fixes:
         advice = "predicted to fit with " + "; or ".join(fixes[:3])

@@ -56,6 +56,7 @@ class MemoryPlan:
 
     device: str
     device_bytes: int | None
+    world_size: int
     weights: dict[str, int]  # by dtype
     trainable: int  # parameters
     gradients: int
@@ -78,6 +79,10 @@ class MemoryPlan:
         """A rank's peak with ``step`` (a training micro-step, or an eval forward pass)."""
         allocated = self.held + step.activations + step.transient
         return allocated + self.slack(allocated - sum(self.fixed.values()))
+
+    def allocated(self, step: StepPeak) -> int:
+        """A rank's peak as the caching allocator counts it (``max_memory_allocated``): no fixed costs, no slack."""
+        return self.held - sum(self.fixed.values()) + step.activations + step.transient
 
     @property
     def fullest(self) -> StepPeak:
@@ -103,6 +108,7 @@ def held_memory(model: FakeModel, cfg: RunConfig, world_size: int) -> tuple[dict
 
 
 def fixed_costs(device: str, world_size: int) -> dict[str, int]:
+    """What a CUDA process holds outside the caching allocator (none on CPU), by name."""
     if device != "cuda":
         return {}
     costs = {"CUDA context": int(CUDA_CONTEXT_GIB * GIB)}
@@ -112,11 +118,13 @@ def fixed_costs(device: str, world_size: int) -> dict[str, int]:
 
 
 def step_peak(model: FakeModel, candidate: Candidate) -> StepPeak:
+    """A training micro-step of ``candidate`` simulated: what it keeps for backward, and its transients beyond."""
     step = model.step(candidate.shape)
     return StepPeak(candidate, step.saved, step.peak - step.saved)
 
 
 def eval_peak(model: FakeModel, candidate: Candidate) -> StepPeak:
+    """An eval forward pass of ``candidate`` simulated: nothing kept, its peak as transient."""
     return StepPeak(candidate, 0, model.forward_peak(candidate.shape))
 
 
@@ -158,14 +166,32 @@ def _largest(need: Callable[[int], int], budget: int, unit: int) -> int | None:
     ys = [need(x) for x in xs]
     if ys[0] > budget:
         return None
+    fits = [x for x, y in zip(xs, ys) if y <= budget]
+    if len(fits) < len(xs):  # 2 or 4 units already too much
+        return _bisect(need, budget, unit, max(fits), min(x for x in xs if x not in fits))
     a, b, c = np.polyfit(xs, ys, 2)
     roots = [r.real for r in np.roots([a, b, c - budget]) if abs(r.imag) < 1e-9 and r.real >= unit]
-    guess = max(unit, int(min(roots, default=xs[-1] * 64)) // unit * unit)
-    for _ in range(8):
-        if need(guess) <= budget:
-            return guess
-        guess = max(unit, guess - max(unit, guess // 50 // unit * unit))
-    return unit
+    guess = max(xs[-1], int(min(roots, default=xs[-1] * 64)) // unit * unit)
+    # The guess and the next multiple decide it; where the curve misjudged, bisect between what fits and what not.
+    if need(guess) <= budget:
+        return guess if need(guess + unit) > budget else _bisect(need, budget, unit, guess + unit, None)
+    return _bisect(need, budget, unit, xs[-1], guess)
+
+
+def _bisect(need: Callable[[int], int], budget: int, unit: int, low: int, high: int | None, probes: int = 12) -> int:
+    """The largest multiple of ``unit`` from ``low`` (which fits) below ``high`` (which does not; None: unknown, so
+    double until something does not fit), in at most ``probes`` simulations."""
+    while high is None and probes > 0:
+        probes -= 1
+        if need(low * 2) <= budget:
+            low *= 2
+        else:
+            high = low * 2
+    while high is not None and high - low > unit and probes > 0:
+        probes -= 1
+        middle = (low + high) // (2 * unit) * unit
+        low, high = (middle, high) if need(middle) <= budget else (low, middle)
+    return low
 
 
 def precision_of(cfg: RunConfig, device: str) -> DType:

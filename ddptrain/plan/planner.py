@@ -51,6 +51,7 @@ def make_plan(
     plan = MemoryPlan(
         device=device,
         device_bytes=device_bytes(cfg, device),
+        world_size=world_size,
         weights=weights,
         trainable=trainable,
         gradients=gradients,
@@ -95,7 +96,12 @@ def _rank_peaks(model: FakeModel, candidates: list[Candidate]) -> list[StepPeak]
 
 
 def levers(
-    plan: MemoryPlan, cfg: RunConfig, data: TokenizedData, spec: BatchingSpec, config: PretrainedConfig, model
+    plan: MemoryPlan,
+    cfg: RunConfig,
+    data: TokenizedData,
+    spec: BatchingSpec,
+    config: PretrainedConfig,
+    model: FakeModel,
 ) -> list[Lever]:
     """What each setting ddptrain offers would make of the fullest rank's peak, simulated, not estimated."""
     m = cfg.model
@@ -112,7 +118,8 @@ def levers(
             _model_lever(plan, cfg, config, fullest, f"model.lora_rank={m.lora_rank // 2}", lora_rank=m.lora_rank // 2)
         )
     found += _batch_levers(plan, cfg, data, spec, model)
-    return [lever for lever in found if lever.peak < plan.peak(plan.fullest)]
+    # A lever that saves under 1% of the peak is no lever.
+    return [lever for lever in found if lever.peak < 0.99 * plan.peak(plan.fullest)]
 
 
 def _model_lever(
@@ -120,27 +127,30 @@ def _model_lever(
 ) -> Lever:
     changed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
     model = FakeModel(config, changed.model, precision_of(cfg, plan.device))
-    weights, _, gradients, optimizer = held_memory(model, changed, len(plan.ranks))
+    weights, _, gradients, optimizer = held_memory(model, changed, plan.world_size)
     other = dataclasses.replace(plan, weights=weights, gradients=gradients, optimizer=optimizer)
     return Lever(overrides, max(other.peak(step_peak(model, c)) for c in candidates))
 
 
-def _batch_levers(plan: MemoryPlan, cfg: RunConfig, data: TokenizedData, spec: BatchingSpec, model) -> list[Lever]:
+def _batch_levers(
+    plan: MemoryPlan, cfg: RunConfig, data: TokenizedData, spec: BatchingSpec, model: FakeModel
+) -> list[Lever]:
     """A smaller micro-batch with more accumulation (the same global batch), and a shorter data.max_length where
     rows are longer: each re-planned on epoch 0 of the data."""
     d, found = cfg.data, []
-    accumulate = f"optim.grad_accum_steps={spec.grad_accum_steps * 2}"
+    # optim.global_batch_size derives the accumulation: naming it too would be refused ("both set").
+    accumulate = "" if cfg.optim.global_batch_size else f" optim.grad_accum_steps={spec.grad_accum_steps * 2}"
     if d.batching in (Batching.random, Batching.length_grouped) and d.micro_batch_size >= 2:
         smaller = dataclasses.replace(
             spec, micro_batch_size=d.micro_batch_size // 2, grad_accum_steps=spec.grad_accum_steps * 2
         )
         found.append(
-            _replanned(plan, model, data, smaller, f"data.micro_batch_size={d.micro_batch_size // 2} {accumulate}")
+            _replanned(plan, model, data, smaller, f"data.micro_batch_size={d.micro_batch_size // 2}{accumulate}")
         )
     elif d.batching in (Batching.token_budget, Batching.packed) and d.max_tokens_per_batch // 2 >= d.max_length:
         half = d.max_tokens_per_batch // 2
         smaller = dataclasses.replace(spec, max_tokens_per_batch=half, grad_accum_steps=spec.grad_accum_steps * 2)
-        found.append(_replanned(plan, model, data, smaller, f"data.max_tokens_per_batch={half} {accumulate}"))
+        found.append(_replanned(plan, model, data, smaller, f"data.max_tokens_per_batch={half}{accumulate}"))
     shorter = d.max_length // 2
     if shorter >= 16 and max(data.train["length"]) > shorter:
         found.append(_replanned(plan, model, data, spec, f"data.max_length={shorter}", max_length=shorter))

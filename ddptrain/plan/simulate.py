@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +55,7 @@ class StepMemory:
     """Bytes of one simulated micro-step (see the module's docstring)."""
 
     saved: int  # kept for backward at the end of the forward pass
-    peak: int  # alive at once, at the step's fullest moment
-    head_transient: int  # of the peak's kind, in the LM head's loss alone (its logits chunks)
+    peak: int  # alive at once, at the step's fullest moment (the LM head's logits chunk included)
 
 
 class FakeModel:
@@ -68,11 +67,8 @@ class FakeModel:
         self.layers = config.num_hidden_layers
         self.cut = [_FakeDepth(_cut_to(config, n), cfg, precision) for n in (2, 3)] if self.layers > 3 else []
         self.whole = None if self.cut else _FakeDepth(config, cfg, precision)
-        self.precision = precision
-        self.lm_head_rows = (self.whole or self.cut[0]).module.lm_head.weight.shape[0]
-        self.loss_chunk_tokens = cfg.loss_chunk_tokens
 
-    def _extend(self, measure) -> int:
+    def _extend(self, measure: Callable[[_FakeDepth], int]) -> int:
         if self.whole is not None:
             return measure(self.whole)
         two, three = (measure(model) for model in self.cut)
@@ -99,18 +95,11 @@ class FakeModel:
         return StepMemory(
             saved=self._extend(lambda m: measure(m, "saved")),
             peak=self._extend(lambda m: measure(m, "peak")),
-            head_transient=self.head_transient(shape),
         )
 
     def forward_peak(self, shape: BatchShape) -> int:
         """The most bytes alive at once in a forward pass without gradients (evaluation)."""
         return self._extend(lambda m: m.forward_peak(shape))
-
-    def head_transient(self, shape: BatchShape) -> int:
-        """The LM head loss's own transient bytes: its logits chunk (fp32) and that chunk in autocast's dtype."""
-        rows = min(self.loss_chunk_tokens or shape.targets, shape.targets)
-        half = 0 if self.precision == DType.fp32 else TORCH_DTYPES[self.precision].itemsize
-        return rows * self.lm_head_rows * (4 + half)
 
 
 def _cut_to(config: PretrainedConfig, layers: int) -> PretrainedConfig:
@@ -148,7 +137,7 @@ class _FakeDepth:
                 loss.backward()
             for p in self.trainable:
                 p.grad = None
-        return StepMemory(saved=kept, peak=live.peak, head_transient=0)
+        return StepMemory(saved=kept, peak=live.peak)
 
     def forward_peak(self, shape: BatchShape) -> int:
         """The most bytes alive at once in a forward pass without gradients (evaluation)."""

@@ -221,6 +221,10 @@ def test_conversations_render_as_apply_chat_template_writes_them_even_where_the_
 ):
     """ddptrain renders with the template's compiled form directly (a third of the time); a transformers whose
     compiled form writes something else than apply_chat_template must not change what is trained on."""
+    tokenizer, _ = family("zephyr")
+    fast = RowEncoder(DataConfig(path="x.jsonl", template=Template.chat), tokenizer)
+    fast.turns({"messages": CONVERSATIONS[0]})
+    assert callable(fast._direct), "the compiled template renders the shipped families directly (the fast path)"
     real = chat_template_utils._compile_jinja_template
 
     def compiled_otherwise(template: str):  # for ddptrain's renderer only: apply_chat_template keeps the real one
@@ -229,7 +233,6 @@ def test_conversations_render_as_apply_chat_template_writes_them_even_where_the_
         )
 
     monkeypatch.setattr(chat_template_utils, "_compile_jinja_template", compiled_otherwise)
-    tokenizer, _ = family("zephyr")
     encoder = RowEncoder(DataConfig(path="x.jsonl", template=Template.chat), tokenizer)
     for messages in CONVERSATIONS:
         text, _, _ = encoder.turns({"messages": messages})

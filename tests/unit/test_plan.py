@@ -109,6 +109,7 @@ def test_each_ranks_costliest_micro_batch_is_the_one_its_sampler_hands_it_in_any
     spec = build_batching_spec(cfg.data, 2, cfg.optim.grad_accum_steps, cfg.trainer.seed)
     collate = Collator(pad_id=0, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
     rows = data.train.with_format(None, columns=["input_ids", "labels"])
+    assert [s.candidate.rank for s in plan.ranks] == [0, 1]
     later_epochs_cost_more = False
     for rank, planned in enumerate(plan.ranks):
         sampler = DistributedBatchSampler(data.train["length"], spec, rank, data.epoch_rows)
