@@ -88,18 +88,21 @@ def _plan_and_decide(cfg: RunConfig, data: TokenizedData, rank: int, world_size:
     if mine.device_bytes is None or worst <= mine.device_bytes:
         log.info("memory plan: %s", _summary(prediction), extra=RANK_ZERO_ONLY)
         return prediction
-    # Every rank builds the fullest rank's whole plan (stopping: with the levers): the same message everywhere.
+    # The fullest rank plans itself whole (stopping: with the levers) and sends every rank the same words.
     fullest = max(range(world_size), key=peaks.__getitem__)
     stop = cfg.plan.stop_if_no_fit
-    full = make_plan(cfg, data, world_size, with_levers=stop, only_ranks={fullest})
-    full.device_bytes = mine.device_bytes
-    text = render_plan(full, f"memory plan: {_summary(prediction)}")
+    words = None
+    if rank == fullest:
+        full = make_plan(cfg, data, world_size, with_levers=stop, only_ranks={fullest})
+        full.device_bytes = mine.device_bytes
+        words = (render_plan(full, f"memory plan: {_summary(prediction)}"), _one_line(full) if stop else "")
+    text, refusal = parallel.broadcast_object(words, src=fullest)
     if not stop:
         log.warning("%s\nstarting anyway: plan.stop_if_no_fit=false", text, extra=RANK_ZERO_ONLY)
         return prediction
     log.error("%s", text, extra=RANK_ZERO_ONLY)
     parallel.barrier()  # rank 0 has logged the plan: the first rank to fail would end the others' processes
-    raise RunDoesNotFit(_one_line(full))
+    raise RunDoesNotFit(refusal)
 
 
 def _summary(p: Prediction) -> str:
