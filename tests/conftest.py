@@ -63,6 +63,8 @@ BESIDE_THE_RANKS = (
     "tests/e2e/test_sweeps.py::test_a_killed_sweep_run_again_skips_what_finished_and_resumes_the_rest",
     "tests/e2e/test_sweeps.py::test_the_optuna_recipe_runs_three_trials_and_the_report_ranks_them",
     "tests/e2e/test_sweeps.py::test_a_slurm_preset_submits_the_nodes_tasks_and_gpus_of_the_job",
+    # A 2-rank run that stops after planning, before any weight loads: short, and timed loosely.
+    "tests/e2e/test_refusals.py::test_a_run_the_memory_plan_says_will_not_fit_stops_before_loading_weights",
 )
 # Tests whose figures are timings: they run last of the 2-rank tests, with the other worker held still (timed_alone).
 TIMED_LAST = ("tests/distributed/test_diagnose_injected.py",)

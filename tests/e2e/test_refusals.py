@@ -130,7 +130,8 @@ def test_a_run_the_memory_plan_says_will_not_fit_stops_before_loading_weights(tm
     (plan.stop_if_no_fit=false, which starts it all the same, is tested in tests/unit/test_plan.py)."""
     args = ["plan.device_memory_gb=0.04", "data.max_rows=400", "trainer.progress_bar=false"]
     output, marker, elapsed, rc = run_marked(args, tmp_path)
-    assert rc != 0 and elapsed < WALL_LIMIT_S, output[-3000:]
+    # It runs beside the 2-rank tests (tests/conftest.py): twice the others' bound; alone it takes about 19 s.
+    assert rc != 0 and elapsed < 2 * WALL_LIMIT_S, output[-3000:]
     assert "DOES NOT FIT: predicted peak" in output and "levers (the fullest rank's peak" in output
     assert "trainable of" not in output, "the model was built"  # build_model logs its parameter count
     summary = output[output.rindex("ddptrain: training failed:") :]

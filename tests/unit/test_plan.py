@@ -109,20 +109,23 @@ def test_each_ranks_costliest_micro_batch_is_the_one_its_sampler_hands_it_in_any
     spec = build_batching_spec(cfg.data, 2, cfg.optim.grad_accum_steps, cfg.trainer.seed)
     collate = Collator(pad_id=0, pad_to_multiple_of=cfg.data.pad_to_multiple_of)
     rows = data.train.with_format(None, columns=["input_ids", "labels"])
+    lengths = data.train["length"]
     assert [s.candidate.rank for s in plan.ranks] == [0, 1]
     later_epochs_cost_more = False
     for rank, planned in enumerate(plan.ranks):
-        sampler = DistributedBatchSampler(data.train["length"], spec, rank, data.epoch_rows)
-        handed = []
+        sampler = DistributedBatchSampler(lengths, spec, rank, data.epoch_rows)
+        handed = []  # (padded tokens, width, epoch, the rows): what the collator would build, from the lengths
         for epoch in range(cfg.trainer.epochs):
             sampler.set_epoch(epoch)
-            handed.append([collate([[rows[i] for i in row] for row in batch]) for batch in sampler])
-        cost = lambda b: (b["input_ids"].numel(), b["input_ids"].shape[1])  # noqa: E731
-        costliest = max((b for epoch in handed for b in epoch), key=cost)
-        later_epochs_cost_more |= cost(costliest) > max(cost(b) for b in handed[0])
+            for batch in sampler:
+                width = max(lengths[i] for row in batch for i in row)
+                handed.append((len(batch) * width, width, epoch, batch))
+        costliest = max(handed, key=lambda b: b[:2])
+        later_epochs_cost_more |= costliest[:2] > max(b[:2] for b in handed if b[2] == 0)
+        collated = collate([[rows[i] for i in row] for row in costliest[3]])  # the one batch, built for real
         shape = planned.candidate.shape
-        assert (shape.rows, shape.width) == tuple(costliest["input_ids"].shape), f"rank {rank}"
-        assert shape.targets == costliest["target_index"].numel(), f"rank {rank}"
+        assert (shape.rows, shape.width) == tuple(collated["input_ids"].shape), f"rank {rank}"
+        assert shape.targets == collated["target_index"].numel(), f"rank {rank}"
     assert later_epochs_cost_more, "the data no longer tells a search of epoch 0 alone from a search of every epoch"
 
 
