@@ -27,6 +27,8 @@ from ddptrain.config.hydra import CONF_DIR
 from ddptrain.config.run import resolve_global_batch_size
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from ddptrain.data.tokenized import TokenizedData
 
 
@@ -69,27 +71,17 @@ def compose_run_config(overrides: list[str], config_dir: Path | None, config_nam
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
-    flags = [o for o in overrides if o.startswith("-")]
-    if flags:
-        parser.error(f"unknown option {flags[0]}: options are listed by --help, the rest are Hydra overrides")
+    refuse_unknown_options(parser, overrides)
     try:
         wanted = parse_rows(args.rows, args.n)
     except ValueError as err:
         parser.error(str(err))
-    try:
-        cfg = compose_run_config(overrides, args.config_dir, args.config_name)
-        world_size = planned_world_size(cfg, args.world_size)
-        cfg = resolve_global_batch_size(cfg, world_size)
-    except (ConfigError, HydraException, OmegaConfBaseException) as err:
-        print(f"ddptrain.preview: invalid configuration:\n{err}", file=sys.stderr)
+    configured = run_config_or_none("ddptrain.preview", overrides, args)
+    if configured is None:
         return 2
-    from ddptrain.data.mixture import build_datasets  # torch, transformers, datasets: after the config check
-    from ddptrain.model import build_tokenizer
-
+    cfg, world_size = configured
     try:
-        with _data_side_logged():
-            tokenizer = build_tokenizer(cfg.model)
-            data = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+        tokenizer, data = tokenized(cfg)
         rows = in_training_set(wanted, len(data.train))
     except (OSError, ValueError) as err:  # unreadable data or tokenizer, a malformed row, a row not in the set
         print(f"ddptrain.preview: {err}", file=sys.stderr)
@@ -107,6 +99,39 @@ def main(argv: list[str] | None = None) -> int:
         if args.html is not None:
             print(f"\nwrote {args.html}")
     return 0
+
+
+def refuse_unknown_options(parser: argparse.ArgumentParser, overrides: list[str]) -> None:
+    """What argparse left over is Hydra overrides; anything that looks like an option is a typo (exits 2)."""
+    flags = [o for o in overrides if o.startswith("-")]
+    if flags:
+        parser.error(f"unknown option {flags[0]}: options are listed by --help, the rest are Hydra overrides")
+
+
+def run_config_or_none(prog: str, overrides: list[str], args: argparse.Namespace) -> tuple[RunConfig, int] | None:
+    """The run config and the ranks to plan for (``--config-dir``, ``--config-name``, ``--world-size``), or None
+    after printing why the overrides make no valid run (the command then exits 2)."""
+    try:
+        cfg = compose_run_config(overrides, args.config_dir, args.config_name)
+        world_size = planned_world_size(cfg, args.world_size)
+        return resolve_global_batch_size(cfg, world_size), world_size
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        print(f"{prog}: invalid configuration:\n{err}", file=sys.stderr)
+        return None
+
+
+def tokenized(cfg: RunConfig) -> tuple[PreTrainedTokenizerBase, TokenizedData]:
+    """The run's tokenizer and data, tokenized through the cache a run uses, the data side's lines on stderr.
+
+    Raises:
+        OSError, ValueError: an unreadable tokenizer or data file, a malformed row.
+    """
+    from ddptrain.data.mixture import build_datasets  # torch, transformers, datasets: after the config check
+    from ddptrain.model import build_tokenizer
+
+    with _data_side_logged():
+        tokenizer = build_tokenizer(cfg.model)
+        return tokenizer, build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
 
 
 def parse_rows(rows: str | None, n: int) -> list[int] | int:

@@ -13,12 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
-from ddptrain.config import ConfigError
-from ddptrain.config.run import resolve_global_batch_size
-from ddptrain.preview import _data_side_logged, compose_run_config, planned_world_size
+from ddptrain.preview import refuse_unknown_options, run_config_or_none, tokenized
 
 DOES_NOT_FIT = 3
 
@@ -39,26 +34,17 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
-    flags = [o for o in overrides if o.startswith("-")]
-    if flags:
-        parser.error(f"unknown option {flags[0]}: options are listed by --help, the rest are Hydra overrides")
+    refuse_unknown_options(parser, overrides)
     started = time.monotonic()
-    try:
-        cfg = compose_run_config(overrides, args.config_dir, args.config_name)
-        world_size = planned_world_size(cfg, args.world_size)
-        cfg = resolve_global_batch_size(cfg, world_size)
-    except (ConfigError, HydraException, OmegaConfBaseException) as err:
-        print(f"ddptrain.plan: invalid configuration:\n{err}", file=sys.stderr)
+    configured = run_config_or_none("ddptrain.plan", overrides, args)
+    if configured is None:
         return 2
-    from ddptrain.data.mixture import build_datasets  # torch, transformers, datasets: after the config check
-    from ddptrain.model import build_tokenizer
-    from ddptrain.plan.planner import make_plan
+    cfg, world_size = configured
+    from ddptrain.plan.planner import make_plan  # torch, transformers: after the config check
     from ddptrain.plan.render import render_plan
 
     try:
-        with _data_side_logged():
-            tokenizer = build_tokenizer(cfg.model)
-            data = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+        _, data = tokenized(cfg)
         plan = make_plan(cfg, data, world_size, with_levers=not args.no_levers)
     except (OSError, ValueError) as err:  # unreadable data, config or tokenizer; data too small for a micro-step
         print(f"ddptrain.plan: {err}", file=sys.stderr)
