@@ -8,11 +8,15 @@ A checkpoint is a folder ``<run>/checkpoints/step-00000020/`` holding
   logging window and the RNG states of every rank (plain tensors and numbers: it loads with
   ``torch.load(weights_only=True)``);
 - ``manifest.json``, written last: step, epoch, data position, world size, the settings that
-  fix the data order, and every file with its size and SHA-256.
+  fix the data order, the eval metrics when the step was evaluated, and every file with its size and SHA-256.
 
 The folder is written under a temporary name, flushed, and renamed into place; a folder
-without a complete, matching manifest is never loaded. ``latest`` names the newest one, and
-only the last ``trainer.keep_last_n`` are kept.
+without a complete, matching manifest is never loaded (``checkpoint_files``). ``latest`` names the newest one;
+the last ``trainer.keep_last_n`` are kept, and besides them the best ``trainer.keep_best_n`` by
+``trainer.best_metric`` as their manifests record it, so the choice survives a resume and a restart. The best
+one's adapter is also in ``<run>/best/`` with ``best.json`` (its step and metrics). Before a saved adapter is put
+in place, ``trainer.save_check`` proves plain peft loads it and computes the training model's logits
+(``evaluation.save_check``).
 
 ``Checkpointer`` decides what a checkpoint holds: the trainer hands it its stateful parts (each
 with ``state_dict``/``load_state_dict``) and the data-order fingerprint; it gathers the per-rank
@@ -24,40 +28,78 @@ restoring every part.
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import logging
-import os
-import re
 import shutil
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
-from transformers import PreTrainedTokenizerBase
 
 from ddptrain import parallel
-from ddptrain.checkpoint_format import FORMAT_VERSION, VERSION_KEY, upgrade_manifest, upgrade_state, version_of
-from ddptrain.config import ModelConfig, ModelInit
-from ddptrain.model import point_adapter_at_base, save_random_base
+from ddptrain.checkpoint_files import (
+    KNOWN_PREFIXES,
+    MANIFEST,
+    STATE,
+    STEP_DIR,
+    WEIGHTS,
+    AdapterFiles,
+    CheckpointError,
+    _sha256,
+    _write_manifest,
+    atomic_save_dir,
+    base_model_path,
+    find_checkpoint,
+    load_state,
+    load_trainable_weights,
+    newest_complete,
+    read_manifest,
+    read_weights,
+    strip_known_prefixes,
+    verify,
+)
+from ddptrain.checkpoint_format import upgrade_state, version_of
+from ddptrain.config import SaveCheckMode, TrainerConfig
+from ddptrain.evaluation.best import BestRule, BestTracker
+from ddptrain.evaluation.save_check import Probe, SaveCheck
 from ddptrain.parallel import DistEnv
+from ddptrain.precision import TORCH_DTYPES
 from ddptrain.rng import RNGState
 
+__all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFEST``, ... as callers know them
+    "KNOWN_PREFIXES",
+    "MANIFEST",
+    "STATE",
+    "STEP_DIR",
+    "WEIGHTS",
+    "AdapterFiles",
+    "CheckpointError",
+    "CheckpointWriter",
+    "Checkpointer",
+    "NullCheckpointWriter",
+    "_sha256",
+    "_write_manifest",
+    "atomic_save_dir",
+    "base_model_path",
+    "build_checkpointer",
+    "build_writer",
+    "check_same_data_order",
+    "find_checkpoint",
+    "load_state",
+    "load_trainable_weights",
+    "newest_complete",
+    "read_manifest",
+    "read_weights",
+    "strip_known_prefixes",
+    "verify",
+]
+
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-STATE = "trainer_state.pt"
-WEIGHTS = "weights"
-STEP_DIR = re.compile(r"^step-(\d+)$")
-KNOWN_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupt or does not fit this run."""
+BEST, BEST_FILE = "best", "best.json"
+"""``<run>/best/``: the best checkpoint's adapter (``trainer.best_metric``), and the file naming its step."""
 
 
 class Stateful(Protocol):
@@ -85,41 +127,47 @@ class Checkpointer:
     Args:
         env: this rank's place in the process group (rank 0 writes).
         run_dir: the run directory (checkpoints go to ``<run_dir>/checkpoints``).
-        keep_last_n: ``trainer.keep_last_n``.
+        writer: what writes the files: rank 0's ``CheckpointWriter``, elsewhere a null one (``build_writer``).
         save_timeout_s: ``trainer.save_timeout_s``: how long the other ranks wait for rank 0 to write.
         weights: the model whose trainable weights are saved (the peft model, unwrapped).
-        shared: parts equal on every rank (optimizer, scheduler, scaler, sampler), saved once.
+        shared: parts equal on every rank (optimizer, scheduler, scaler, sampler, the best tracker), saved once.
         per_rank: parts that differ by rank (the log window); each rank's copy is saved and
             restored to the same rank. The RNG states are always added.
         fingerprint: the settings that fix which samples each step sees (``data.DataOrder``): its
             ``values`` go into the manifest, and ``changes_from(saved)`` names what a resume would change.
+        best: the best evaluation so far (``evaluation.best.BestTracker``): a checkpoint of an evaluated step
+            records its metrics, and the best one's adapter is copied to ``<run>/best/``.
     """
 
     def __init__(
         self,
         env: DistEnv,
         run_dir: Path,
-        keep_last_n: int,
+        writer: CheckpointWriter | NullCheckpointWriter,
         save_timeout_s: float,
         *,
         weights: nn.Module,
         shared: dict[str, Stateful],
         per_rank: dict[str, Stateful],
         fingerprint: Fingerprint,
+        best: BestTracker,
     ):
-        self.env, self.run_dir, self.weights = env, run_dir, weights
+        self.env, self.run_dir, self.weights, self.writer = env, run_dir, weights, writer
         self.save_timeout_s = save_timeout_s
-        self.shared = shared
+        self.shared = {**shared, "best": best}
         self.per_rank = {**per_rank, "rng": RNGState()}
         self.fingerprint = fingerprint
-        self.writer = build_writer(env.is_rank_zero, run_dir, keep_last_n)
+        self.best = best
 
-    def save(self, step: int) -> None:
+    def save(self, step: int) -> dict[str, Any]:
         """Every rank contributes its per-rank parts; rank 0 writes; the others wait for it (``after_rank_zero``).
 
+        Returns:
+            On rank 0, the save check's metrics record (``trainer.save_check``) when one ran; else empty.
+
         Raises:
-            RuntimeError: the write failed, on rank 0 or as rank 0 told the others (the previous checkpoint is
-                intact and named), or took longer than ``trainer.save_timeout_s``.
+            RuntimeError: the write or its check failed, on rank 0 or as rank 0 told the others (the previous
+                checkpoint is intact and named), or took longer than ``trainer.save_timeout_s``.
         """
         gathered = {name: parallel.all_gather_object(part.state_dict()) for name, part in self.per_rank.items()}
         state = {"step": step, **{name: part.state_dict() for name, part in self.shared.items()}, **gathered}
@@ -129,28 +177,34 @@ class Checkpointer:
             "world_size": self.env.world_size,
             "data_order": self.fingerprint.values,
         }
+        evaluated = self.best.evaluated_at(step)
+        if evaluated is not None:  # the pruning ranks checkpoints by these
+            meta |= {"eval": evaluated, "best": self.best.best_step == step}
         try:
             write = partial(self.writer.save, self.weights, state, meta)
             what = f"save the checkpoint of step {step}"
             parallel.after_rank_zero(write, what, self.save_timeout_s, "trainer.save_timeout_s")
+            return {"step": step, **self.writer.checked} if self.writer.checked else {}
         except Exception as err:
             previous = newest_complete(self.run_dir / "checkpoints")
             raise RuntimeError(
                 f"saving the checkpoint of step {step} failed: {type(err).__name__}: {err}. "
-                f"The previous checkpoint is intact: {previous or 'none yet'}. "
-                f"Free space in {self.run_dir} or point trainer.output_dir at a writable disk, and resume with "
-                f"trainer.resume={self.run_dir}."
+                f"The previous checkpoint is intact: {previous or 'none yet'}. {_fix_for(err, self.run_dir)}"
             ) from err
 
-    def save_final(self, tokenizer: PreTrainedTokenizerBase, model_cfg: ModelConfig, seed: int) -> None:
+    def save_final(self, step: int) -> dict[str, Any]:
         """Rank 0 writes ``<run>/adapter`` (and a random base); the others wait for it, as for a checkpoint.
 
+        Returns:
+            On rank 0, the save check's metrics record (at ``step``) when one ran; else empty.
+
         Raises:
-            RuntimeError: the write failed, or took longer than ``trainer.save_timeout_s``.
+            RuntimeError: the write or its check failed, or took longer than ``trainer.save_timeout_s``.
         """
-        write = partial(self.writer.save_final, self.weights, tokenizer, model_cfg, seed)
+        write = partial(self.writer.save_final, self.weights)
         what = f"save the final weights to {self.run_dir / 'adapter'}"
         parallel.after_rank_zero(write, what, self.save_timeout_s, "trainer.save_timeout_s")
+        return {"step": step, **self.writer.checked} if self.writer.checked else {}
 
     def resume(self, resume: str) -> int | None:
         """Restore every part from ``trainer.resume`` (auto: this run's newest checkpoint, if any).
@@ -167,15 +221,30 @@ class Checkpointer:
         check_same_data_order(folder, self.fingerprint)  # find_checkpoint verified every file's hash
         load_trainable_weights(self.weights, folder / WEIGHTS)
         fresh = {name: part.state_dict() for name, part in self.per_rank.items()}
-        state = upgrade_state(load_state(folder), version_of(read_manifest(folder)), fresh, self.env.world_size)
+        fresh_shared = {name: part.state_dict() for name, part in self.shared.items()}
+        version = version_of(read_manifest(folder))
+        state = upgrade_state(load_state(folder), version, fresh, self.env.world_size, fresh_shared)
         for name in state["missing"]:
-            log.warning("%s keeps no per-rank %s: it starts afresh on resume", folder, name)
+            log.warning("%s keeps no %s: it starts afresh on resume", folder, name)
         for name, part in self.shared.items():
             part.load_state_dict(state[name])
         for name, part in self.per_rank.items():
             part.load_state_dict(state[name][self.env.rank])
         log.info("resumed from %s at step %d (epoch %d)", folder, state["step"], state["sampler"]["epoch"])
         return state["step"]
+
+
+def _fix_for(err: BaseException, run_dir: Path) -> str:
+    """What to do about a failed save: a check that failed is not a full disk."""
+    if "SaveCheckError" in f"{type(err).__name__}: {err}":
+        return (
+            "The saved adapter would not load as trained; the check found it before it was put in place. Report it "
+            "with the error above (trainer.save_check=off saves without the check)."
+        )
+    return (
+        f"Free space in {run_dir} or point trainer.output_dir at a writable disk, and resume with "
+        f"trainer.resume={run_dir}."
+    )
 
 
 def check_same_data_order(folder: Path, fingerprint: Fingerprint) -> None:
@@ -197,72 +266,55 @@ def check_same_data_order(folder: Path, fingerprint: Fingerprint) -> None:
 # ----------------------------------------------------------------------------- writing
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with path.open("rb") as f:
-                os.fsync(f.fileno())
-
-
-def atomic_save_dir(target: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp_dir)``, fsync, then rename tmp_dir to ``target`` (replacing an older one).
-
-    If ``write`` raises, the temporary folder is removed and ``target`` is untouched.
-    """
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        write(tmp)
-        _fsync_tree(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _write_manifest(folder: Path, meta: dict[str, Any]) -> None:
-    files = {
-        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-    manifest = {VERSION_KEY: FORMAT_VERSION, **meta, "files": files}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-
-
 class CheckpointWriter:
-    """Writes checkpoints and the final adapter; used on global rank 0 only."""
+    """Writes checkpoints, ``best/`` and the final adapter; used on global rank 0 only.
 
-    def __init__(self, run_dir: Path, keep_last_n: int):
+    Args:
+        run_dir: the run directory.
+        keep_last_n: ``trainer.keep_last_n``: the newest checkpoints kept.
+        files: the tokenizer and base an adapter carries (None: the weights alone, for tests of the format).
+        rule: ``trainer.keep_best_n`` checkpoints kept besides, ranked by their manifest's eval metrics.
+        check: proves each saved adapter loads (``trainer.save_check``); None: no check.
+        check_every: check every checkpoint and ``best/`` as written (``every``), or only at the end (``final``).
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        keep_last_n: int,
+        *,
+        files: AdapterFiles | None = None,
+        rule: BestRule | None = None,
+        check: SaveCheck | None = None,
+        check_every: bool = True,
+    ):
         self.run_dir = run_dir
         self.folder = run_dir / "checkpoints"
         self.keep_last_n = keep_last_n
+        self.files, self.rule, self.check, self.check_every = files, rule, check, check_every
+        self.checked: dict[str, Any] = {}
+        """The record of the last save's check (``evaluation.save_check``): empty when none ran."""
 
     def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> Path:
-        """Write ``checkpoints/step-N`` (weights, trainer state, manifest last), point ``latest`` at it, prune.
+        """Write ``checkpoints/step-N`` (weights, trainer state, manifest last), point ``latest`` at it, copy its
+        adapter to ``best/`` when ``meta`` says it is the best, prune; ``checked`` holds the check's record.
+
+        Returns:
+            The checkpoint folder.
 
         Raises:
-            Exception: whatever the write raised; the previous checkpoints are untouched.
+            Exception: whatever the write or the check raised; the previous checkpoints are untouched.
         """
         target = self.folder / f"step-{meta['step']:08d}"
+        trained = meta["step"] > 0
+        self.checked = checked = {}
+        if self.files is not None:
+            self.files.ensure_base(self.run_dir)
 
         def write(tmp: Path) -> None:
-            model.save_pretrained(tmp / WEIGHTS, safe_serialization=True)
+            self._write_weights(model, tmp / WEIGHTS, with_tokenizer=False)
+            if self.check is not None and self.check_every:
+                checked.update(self.check([(tmp / WEIGHTS, target / WEIGHTS)], trained))
             torch.save(state, tmp / STATE)
             _write_manifest(tmp, meta)
 
@@ -270,186 +322,151 @@ class CheckpointWriter:
         latest_tmp = self.folder / ".latest.tmp"
         latest_tmp.write_text(target.name + "\n")
         latest_tmp.replace(self.folder / "latest")
-        self._prune()
         log.info("saved checkpoint %s", target)
+        if meta.get("best") and self.rule is not None and self.rule.keep_best_n > 0:
+            self.checked = _merged(checked, self._save_best(target, meta, trained))
+        self._prune()
         return target
 
-    def _prune(self) -> None:
-        complete = sorted(p for p in self.folder.iterdir() if STEP_DIR.match(p.name))
-        for old in complete[: max(0, len(complete) - self.keep_last_n)]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _write_weights(self, model: nn.Module, folder: Path, with_tokenizer: bool) -> None:
+        if self.files is None:
+            model.save_pretrained(folder, safe_serialization=True)
+        else:
+            self.files.write(model, folder, self.run_dir, with_tokenizer)
 
-    def save_final(
-        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, model_cfg: ModelConfig, seed: int
-    ) -> None:
-        """``<run>/adapter`` with the tokenizer; a random-init base goes to ``<run>/base`` so the adapter loads."""
-        random_lora = model_cfg.init == ModelInit.random and model_cfg.lora
-        if random_lora:
-            atomic_save_dir(self.run_dir / "base", lambda tmp: save_random_base(model_cfg, seed, tokenizer, tmp))
+    def _save_best(self, checkpoint: Path, meta: dict[str, Any], trained: bool) -> dict[str, Any]:
+        """``<run>/best``: the checkpoint's adapter, the tokenizer and ``best.json`` (its step and metrics)."""
+        best, checked = self.run_dir / BEST, {}
 
         def write(tmp: Path) -> None:
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            if random_lora:
-                point_adapter_at_base(tmp, str(self.run_dir / "base"))
+            for file in (checkpoint / WEIGHTS).iterdir():
+                shutil.copy2(file, tmp / file.name)
+            if self.files is not None:
+                self.files.tokenizer.save_pretrained(tmp)
+            about = {**meta["eval"], "step": meta["step"], "metric": self.rule.metric, "checkpoint": str(checkpoint)}
+            (tmp / BEST_FILE).write_text(json.dumps(about, indent=2) + "\n")
+            if self.check is not None and self.check_every:
+                checked.update(self.check([(tmp, best)], trained))
 
-        atomic_save_dir(self.run_dir / "adapter", write)
-        log.info("saved the final weights to %s", self.run_dir / "adapter")
+        atomic_save_dir(best, write)
+        log.info(
+            "step %d is the best so far (%s %.4f): its adapter is in %s",
+            meta["step"],
+            self.rule.metric,
+            meta["eval"][self.rule.metric],
+            best,
+        )
+        return checked
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_last_n`` checkpoints and the best ``keep_best_n`` (by their manifests)."""
+        complete = sorted(p for p in self.folder.iterdir() if STEP_DIR.match(p.name))
+        keep = set(complete[max(0, len(complete) - self.keep_last_n) :]) | set(self._best(complete))
+        for old in complete:
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _best(self, complete: list[Path]) -> list[Path]:
+        if self.rule is None or self.rule.keep_best_n == 0:
+            return []
+        scored = []
+        for folder in complete:
+            with contextlib.suppress(CheckpointError, OSError, ValueError):
+                evaluated = read_manifest(folder).get("eval") or {}
+                if self.rule.metric in evaluated:
+                    scored.append((float(evaluated[self.rule.metric]), folder))
+        return self.rule.best_first(scored)[: self.rule.keep_best_n]
+
+    def save_final(self, model: nn.Module) -> None:
+        """``<run>/adapter`` with the tokenizer (and a random-init base in ``<run>/base``), checked (``checked`` holds
+        the record); with ``trainer.save_check=final`` the check covers ``best/`` too."""
+        assert self.files is not None, "the final adapter carries the tokenizer: build the writer with files"
+        self.files.ensure_base(self.run_dir)
+        adapter = self.run_dir / "adapter"
+        self.checked = checked = {}
+
+        def write(tmp: Path) -> None:
+            self._write_weights(model, tmp, with_tokenizer=True)
+            if self.check is not None:
+                best = self.run_dir / BEST
+                also_best = [(best, best)] if not self.check_every and (best / BEST_FILE).is_file() else []
+                checked.update(self.check([(tmp, adapter), *also_best], trained=True))
+
+        atomic_save_dir(adapter, write)
+        log.info("saved the final weights to %s", adapter)
+
+
+def _merged(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two check records of one save as one: the times added, the worst differences, every folder."""
+    if not first or not second:
+        return first or second
+    return {
+        "save_check_s": first["save_check_s"] + second["save_check_s"],
+        "save_check_max_abs_diff": max(first["save_check_max_abs_diff"], second["save_check_max_abs_diff"]),
+        "save_check_merged_max_abs_diff": max(
+            first["save_check_merged_max_abs_diff"], second["save_check_merged_max_abs_diff"]
+        ),
+        "save_check_folders": first["save_check_folders"] + second["save_check_folders"],
+    }
 
 
 class NullCheckpointWriter:
     """What ranks other than 0 hold: every method does nothing."""
 
+    checked: dict[str, Any] = {}  # noqa: RUF012 (never written: rank 0 checks)
+
     def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> None:
         """Rank 0 writes the checkpoint; this rank waits for it (``parallel.after_rank_zero``)."""
 
-    def save_final(
-        self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, model_cfg: ModelConfig, seed: int
-    ) -> None:
+    def save_final(self, model: nn.Module) -> None:
         """Rank 0 writes the final adapter; this rank waits for it (``parallel.after_rank_zero``)."""
 
 
-def build_writer(is_rank_zero: bool, run_dir: Path, keep_last_n: int) -> CheckpointWriter | NullCheckpointWriter:
-    return CheckpointWriter(run_dir, keep_last_n) if is_rank_zero else NullCheckpointWriter()
+def build_writer(
+    is_rank_zero: bool, run_dir: Path, keep_last_n: int, **kwargs: Any
+) -> CheckpointWriter | NullCheckpointWriter:
+    """Rank 0's writer (``kwargs``: ``CheckpointWriter``'s), elsewhere a null one."""
+    return CheckpointWriter(run_dir, keep_last_n, **kwargs) if is_rank_zero else NullCheckpointWriter()
 
 
-# ----------------------------------------------------------------------------- finding and verifying
-
-
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """A checkpoint's manifest, unchecked (for a folder that ``find_checkpoint`` already verified).
-
-    Raises:
-        CheckpointError: no manifest.
-    """
-    manifest_file = folder / MANIFEST
-    if not manifest_file.is_file():
-        raise CheckpointError(
-            f"{folder} has no {MANIFEST}: it is incomplete (interrupted save?) or not a checkpoint. Point "
-            "trainer.resume at a complete checkpoints/step-N folder, or at the run directory (its newest complete one)."
-        )
-    return upgrade_manifest(json.loads(manifest_file.read_text()), folder)
-
-
-def verify(folder: Path) -> dict[str, Any]:
-    """The manifest of a complete checkpoint.
-
-    Raises:
-        CheckpointError: no manifest, or a listed file missing or changed.
-    """
-    manifest = read_manifest(folder)
-    for name, info in manifest["files"].items():
-        path = folder / name
-        if not path.is_file() or path.stat().st_size != info["bytes"] or _sha256(path) != info["sha256"]:
-            raise CheckpointError(
-                f"{folder}: {name} is missing or differs from the manifest; the checkpoint is corrupt. Resume "
-                "from an older one (trainer.resume=<run>/checkpoints/step-N) or from the run directory, which "
-                "takes its newest complete checkpoint."
-            )
-    return manifest
-
-
-def newest_complete(checkpoints: Path) -> Path | None:
-    """The newest checkpoint under ``checkpoints`` whose manifest verifies (older ones are tried in turn)."""
-    if not checkpoints.is_dir():
-        return None
-    candidates = sorted((p for p in checkpoints.iterdir() if STEP_DIR.match(p.name)), reverse=True)
-    for folder in candidates:
-        try:
-            verify(folder)
-            return folder
-        except CheckpointError as err:
-            log.warning("skipping %s", err)
-    return None
-
-
-def find_checkpoint(resume: str, run_dir: Path) -> Path | None:
-    """Resolve ``trainer.resume``: ``none``, ``auto`` (newest in this run, if any) or a path.
-
-    A path may name a checkpoint folder or a run directory (its newest checkpoint is used).
-
-    Raises:
-        CheckpointError: a path that holds no usable checkpoint.
-    """
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return newest_complete(run_dir / "checkpoints")
-    path = Path(resume).expanduser()
-    if (path / MANIFEST).is_file():
-        verify(path)
-        return path
-    found = newest_complete(path / "checkpoints") or newest_complete(path)
-    if found is None:
-        raise CheckpointError(
-            f"trainer.resume={resume}: no complete checkpoint there. Point it at a checkpoints/step-N folder or a "
-            "run directory, or use trainer.resume=auto|none."
-        )
-    return found
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def strip_known_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes other tools leave in keys."""
-    clean = {}
-    for key, value in state_dict.items():
-        while key.startswith(KNOWN_PREFIXES):
-            key = key.split(".", 1)[1]
-        clean[key] = value
-    return clean
-
-
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor in the folder's safetensors files (never unpickles anything).
-
-    Raises:
-        CheckpointError: no safetensors file in the folder.
-    """
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(
-            f"{folder} holds no .safetensors weights: point at a checkpoint's weights/ folder or a run's adapter/ "
-            "(ddptrain writes both with safetensors)."
-        )
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(str(file)))
-    return strip_known_prefixes(weights)
-
-
-def load_trainable_weights(model: nn.Module, folder: Path) -> None:
-    """Load saved trainable weights into ``model`` (a peft model, or a plain model for a full fine-tune).
-
-    Raises:
-        CheckpointError: naming missing and unexpected keys when the weights do not fit the model.
-    """
-    weights = read_weights(folder)
-    if hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
-
-        result = set_peft_model_state_dict(model, weights)
-        expected = {n for n, p in model.named_parameters() if p.requires_grad}
-        missing = sorted(expected & set(result.missing_keys))
-        unexpected = sorted(result.unexpected_keys)
-    else:
-        result = model.load_state_dict(weights, strict=False)
-        missing, unexpected = sorted(result.missing_keys), sorted(result.unexpected_keys)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{folder} does not fit this model: missing {_few(missing)}; unexpected {_few(unexpected)}. "
-            "It was saved with other model.* or model.lora_* settings: use the ones in its run's config.yaml, "
-            "or set trainer.resume=none to start over."
-        )
-
-
-def _few(keys: list[str]) -> str:
-    if not keys:
-        return "none"
-    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
-
-
-def load_state(folder: Path) -> dict[str, Any]:
-    """The trainer state (optimizer, schedule, scaler, position, RNG), loaded with ``weights_only=True``."""
-    return torch.load(folder / STATE, map_location="cpu", weights_only=True)
+def build_checkpointer(
+    env: DistEnv,
+    run_dir: Path,
+    cfg: TrainerConfig,
+    files: AdapterFiles,
+    weights: nn.Module,
+    shared: dict[str, Stateful],
+    per_rank: dict[str, Stateful],
+    fingerprint: Fingerprint,
+    best: BestTracker,
+    probe_rows: list[list[int]],
+) -> Checkpointer:
+    """The checkpointer of a run from the ``trainer`` group (``keep_last_n``, ``save_timeout_s``, ``save_check``; the
+    best checkpoints by ``best``'s rule): rank 0's writer checks each adapter it saves on a probe of ``probe_rows``
+    (a few training rows) when ``trainer.save_check`` is on and the run trains LoRA (a full fine-tune saves a
+    whole model, which peft has nothing to prove about). The other arguments are ``Checkpointer``'s."""
+    check = None
+    if env.is_rank_zero and cfg.save_check != SaveCheckMode.off and files.model_cfg.lora:
+        probe = Probe.from_rows(list(probe_rows), files.tokenizer.pad_token_id)
+        dtype = TORCH_DTYPES[files.model_cfg.dtype]
+        check = SaveCheck(weights, probe, dtype, files.model_cfg.attn_implementation.value)
+    writer = build_writer(
+        env.is_rank_zero,
+        run_dir,
+        cfg.keep_last_n,
+        files=files,
+        rule=best.rule,
+        check=check,
+        check_every=cfg.save_check == SaveCheckMode.every,
+    )
+    return Checkpointer(
+        env,
+        run_dir,
+        writer,
+        cfg.save_timeout_s,
+        weights=weights,
+        shared=shared,
+        per_rank=per_rank,
+        fingerprint=fingerprint,
+        best=best,
+    )

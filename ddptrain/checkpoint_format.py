@@ -6,7 +6,9 @@ Versions this code reads (``READS``):
   keeps: the per-rank log window (``windows``: the run's first checkpoints kept one window for all ranks) and, in
   a window, the FLOP count (``flops``) and the overflow count under its current name (``overflowed_steps``, once
   ``skipped``); its data order lacks ``sources`` where the run had no mixture.
-- 2 (``FORMAT_VERSION``): the manifest says ``format_version: 2``; every part is there under its current name.
+- 2: the manifest says ``format_version: 2``; every per-rank part is there under its current name, but the state
+  keeps no best evaluation (``best``: trainer.keep_best_n and early stopping came later).
+- 3 (``FORMAT_VERSION``): the state keeps ``best`` too; a manifest may carry the step's ``eval`` metrics.
 
 ``upgrade_manifest`` and ``upgrade_state`` turn a checkpoint of any version in ``READS`` into the current shape, so
 the parts that load from it (the log window, the data order, the checkpointer) read one shape only. A checkpoint of
@@ -19,8 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 2
-READS = (1, 2)
+FORMAT_VERSION = 3
+READS = (1, 2, 3)
 VERSION_KEY = "format_version"
 
 
@@ -51,7 +53,13 @@ def upgrade_manifest(manifest: dict[str, Any], folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def upgrade_state(state: dict[str, Any], version: int, fresh: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+def upgrade_state(
+    state: dict[str, Any],
+    version: int,
+    fresh: Mapping[str, Any],
+    world_size: int,
+    fresh_shared: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The trainer state of a checkpoint written in ``version``, in the current format.
 
     Args:
@@ -60,15 +68,19 @@ def upgrade_state(state: dict[str, Any], version: int, fresh: Mapping[str, Any],
         fresh: this rank's per-rank parts as they stand before the resume (a part the checkpoint lacks starts from
             here, on every rank).
         world_size: the ranks the checkpoint was written by (the length of each per-rank list).
+        fresh_shared: the shared parts as they stand before the resume (``best``, which formats 1 and 2 lack,
+            starts from here).
 
     Returns:
-        A new state; ``missing`` lists the per-rank parts that start afresh (``state["missing"]``).
+        A new state; ``missing`` lists the parts that start afresh (``state["missing"]``).
     """
-    if version >= 2:
+    if version >= 3:
         return {**state, "missing": []}
-    missing = [name for name in fresh if name not in state]
-    upgraded = {**state, **{name: [fresh[name]] * world_size for name in missing}, "missing": missing}
-    if "windows" in upgraded:
+    shared = {name: value for name, value in (fresh_shared or {}).items() if name not in state}
+    missing = [name for name in fresh if name not in state] if version == 1 else []
+    upgraded = {**state, **shared, **{name: [fresh[name]] * world_size for name in missing}}
+    upgraded["missing"] = [*missing, *shared]
+    if version == 1 and "windows" in upgraded:
         upgraded["windows"] = [_window_from_v1(window) for window in upgraded["windows"]]
     return upgraded
 

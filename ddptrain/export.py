@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ddptrain import checkpoint
-from ddptrain.config import ModelInit, RunConfig, register_configs
+from ddptrain.config import RunConfig, register_configs
 from ddptrain.model import build_tokenizer, point_adapter_at_base
 from ddptrain.observe.console import quiet_libraries
 from ddptrain.precision import TORCH_DTYPES
@@ -63,18 +63,12 @@ def load_run_config(run_dir: Path) -> RunConfig:
     return OmegaConf.to_object(merged)
 
 
-def base_model_path(cfg: RunConfig, run_dir: Path) -> str:
-    if cfg.model.init == ModelInit.random:
-        return str((run_dir / "base").resolve())
-    return cfg.model.name_or_path
-
-
 def export(source: Path, out: Path, merge: bool) -> Path:
     """Write the export to ``out`` (replacing it atomically) and return ``out``."""
     run_dir, weights = locate(source)
     cfg = load_run_config(run_dir)
     tokenizer = build_tokenizer(cfg.model)
-    base = base_model_path(cfg, run_dir)
+    base = checkpoint.base_model_path(cfg.model, run_dir)
 
     def write(tmp: Path) -> None:
         if merge and cfg.model.lora:

@@ -177,11 +177,12 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
 
 
 def objective(result: dict[str, Any] | None) -> float | None:
-    """What a run returns to Hydra (a sweeper such as Optuna minimises it): the final eval loss when the run
-    evaluates (``data.eval_fraction`` > 0 or ``data.eval_path``), else the last logged training loss."""
+    """What a run returns to Hydra (a sweeper such as Optuna minimises it): the best value of trainer.best_metric
+    (eval_loss by default; set the sweeper's direction for eval_accuracy) when the run evaluates (an eval split),
+    else the last logged training loss."""
     if not result:
         return None
-    return result.get("eval_loss", result.get("loss"))
+    return result.get("best_value", result.get("eval_loss", result.get("loss")))
 
 
 def _with_global_batch_size(cfg: RunConfig, world_size: int) -> RunConfig:
@@ -431,7 +432,7 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
     import torch
 
     from ddptrain import parallel
-    from ddptrain.observe.console import build_console, setup_logging
+    from ddptrain.observe.console import build_console, done_line, setup_logging
     from ddptrain.observe.run_files import build_run_files
     from ddptrain.precision import settle_precision
     from ddptrain.trainer import Trainer
@@ -464,7 +465,7 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
         if trainer is not None:  # after the group is gone: no rank waits while rank 0 writes the report
             trainer.close(status)
         if status == "finished":
-            console.say(f"ddptrain: done. Results in {agreed}")
+            console.say(done_line(result, agreed))
         # A failed rank is a process on its way out, unless it is a scheduler's task (Hydra and submitit still
         # record the job): nothing may keep it from exiting.
         if status == "failed" and env.world_size > 1 and not start.scheduler:

@@ -12,7 +12,6 @@ import inspect
 import json
 import logging
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from ddptrain.config import Attention, ModelConfig, ModelInit
+from ddptrain.config import ModelConfig, ModelInit
 from ddptrain.data.encode import IGNORE_INDEX
 from ddptrain.precision import TORCH_DTYPES
 
@@ -112,19 +111,26 @@ def apply_gradient_checkpointing(model: nn.Module, reentrant: bool = False) -> N
 
 def _chunk_loss(
     h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk's logits in fp32, turned in place into exp(logits - row max).
 
     The GEMM runs in ``dtype`` (the weight's, or autocast's); the max, exp, sum and log in fp32.
 
     Returns:
-        The (chunk x vocab) fp32 buffer of exp(logits - row max), its row sums, and the chunk's loss sum.
+        The (chunk x vocab) fp32 buffer of exp(logits - row max), its row sums, the chunk's loss sum, and how many
+        of its targets have the row's largest logit (the model's greedy guess is right; ``top1_correct``).
     """
     buffer = (h.to(dtype) @ weight.t()).float()
     target_logit = buffer.gather(1, t[:, None]).squeeze(1)
     row_max = buffer.amax(dim=-1, keepdim=True)
+    correct = top1_correct(target_logit, row_max.squeeze(1))
     sum_exp = buffer.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
-    return buffer, sum_exp, (sum_exp.log() + row_max).squeeze(1).sub_(target_logit).sum()
+    return buffer, sum_exp, (sum_exp.log() + row_max).squeeze(1).sub_(target_logit).sum(), correct
+
+
+def top1_correct(target_logit: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """Targets whose logit is the row's largest: greedy decoding would pick them (a tie counts as right)."""
+    return (target_logit >= row_max).sum()
 
 
 def _gemm_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -133,20 +139,26 @@ def _gemm_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
 
 
-def chunked_head_loss_sum(
+def chunked_head_eval_sums(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
-) -> torch.Tensor:
-    """Σ cross-entropy(hidden @ weightᵀ, targets) without gradients, ``chunk`` rows at a time (evaluation).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ cross-entropy(hidden @ weightᵀ, targets) and the targets guessed right, without gradients, ``chunk`` rows at
+    a time (evaluation).
 
     At most one (chunk x vocab) fp32 buffer exists at a time; the GEMM runs in autocast's dtype when it is on.
     """
     dtype = _gemm_dtype(weight)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         w = weight.to(dtype)
         for start in range(0, hidden.shape[0], chunk):
-            loss += _chunk_loss(hidden[start : start + chunk], w, targets[start : start + chunk], dtype)[2]
-    return loss
+            _, _, chunk_loss, chunk_correct = _chunk_loss(
+                hidden[start : start + chunk], w, targets[start : start + chunk], dtype
+            )
+            loss += chunk_loss
+            correct += chunk_correct
+    return loss, correct
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -175,7 +187,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk):
                 h, t = hidden[start : start + chunk], targets[start : start + chunk]
                 # One (chunk x vocab) fp32 buffer, transformed in place: logits -> exp -> softmax -> gradient.
-                buffer, sum_exp, chunk_loss = _chunk_loss(h, w, t, dtype)
+                buffer, sum_exp, chunk_loss, _ = _chunk_loss(h, w, t, dtype)
                 loss += chunk_loss
                 buffer.div_(sum_exp)[torch.arange(len(t), device=t.device), t] -= 1.0  # softmax - one_hot
                 grad_logits = buffer.to(dtype)  # the buffer itself when dtype is fp32
@@ -231,14 +243,25 @@ class CausalLMLoss(nn.Module):
         belongs to the labels it was found in (pass None with other labels); ``attention_kwargs``
         are flash-attention's varlen lengths of a packed row.
         """
-        hidden = self.decoder(
+        return self.target_loss(
+            self.hidden(input_ids, attention_mask, position_ids, **attention_kwargs), labels, target_index
+        )
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        **attention_kwargs: Any,
+    ) -> torch.Tensor:
+        """The decoder's last hidden states."""
+        return self.decoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
             **attention_kwargs,
         ).last_hidden_state
-        return self.target_loss(hidden, labels, target_index)
 
     # Eager under trainer.compile=true: the boolean mask gives a data-dependent shape (a graph break),
     # and a compiled head would recompile for every new target count until dynamo's limit.
@@ -246,7 +269,16 @@ class CausalLMLoss(nn.Module):
     def target_loss(
         self, hidden: torch.Tensor, labels: torch.Tensor, target_index: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Loss sum and count of the target tokens: the next-token labels that are not IGNORE_INDEX.
+        """Loss sum and count of the target tokens: the next-token labels that are not IGNORE_INDEX (the count is a
+        CPU tensor, from the index's shape: reading it never waits on the GPU)."""
+        target_hidden, target_ids = self.targets(hidden, labels, target_index)
+        return self.head_loss(target_hidden, target_ids), torch.tensor(target_ids.numel())
+
+    @staticmethod
+    def targets(
+        hidden: torch.Tensor, labels: torch.Tensor, target_index: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states of the positions whose next label is a target, and those labels.
 
         ``target_index``: flat positions (row × width + column) whose next label is a target. The
         collator finds them on the CPU; without it they are found here, which waits on the GPU.
@@ -255,9 +287,29 @@ class CausalLMLoss(nn.Module):
             row, column = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
             target_index = row * labels.shape[1] + column
         target_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, target_index)
-        target_ids = labels.reshape(-1).index_select(0, target_index + 1)
-        # The count from the index's shape, on the CPU: reading it never waits on the GPU.
-        return self.head_loss(target_hidden, target_ids), torch.tensor(target_index.numel())
+        return target_hidden, labels.reshape(-1).index_select(0, target_index + 1)
+
+    def eval_sums(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        target_index: torch.Tensor | None = None,
+        **attention_kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Evaluation of a collated batch, without gradients: the loss sum, the targets the model's greedy guess gets
+        right (``top1_correct``) and the number of targets."""
+        hidden = self.hidden(input_ids, attention_mask, position_ids, **attention_kwargs)
+        target_hidden, target_ids = self.targets(hidden, labels, target_index)
+        weight = self.lm_head.weight
+        if self.loss_chunk_tokens > 0 and type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+            loss, correct = chunked_head_eval_sums(target_hidden, weight, target_ids, self.loss_chunk_tokens)
+        else:
+            logits = self.lm_head(target_hidden).float()
+            loss = F.cross_entropy(logits, target_ids, reduction="sum")
+            correct = top1_correct(logits.gather(1, target_ids[:, None]).squeeze(1), logits.amax(dim=-1))
+        return loss, correct, target_ids.numel()
 
     def head_loss(self, hidden: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
         """Sum of cross-entropy losses of the LM head over target positions.
@@ -265,7 +317,7 @@ class CausalLMLoss(nn.Module):
         With model.loss_chunk_tokens > 0 and a plain linear head, the head runs chunk by chunk
         and each chunk's gradient is formed at once, so the full (targets x vocab) logits never
         exist: same FLOPs, a fraction of the memory (``ChunkedHeadLoss``). Without gradients
-        (evaluation) the chunks only sum the loss (``chunked_head_loss_sum``).
+        (evaluation) the chunks only sum the loss (``chunked_head_eval_sums``).
         """
         chunk = self.loss_chunk_tokens
         weight = self.lm_head.weight
@@ -273,7 +325,7 @@ class CausalLMLoss(nn.Module):
         if chunk > 0 and plain_head:
             if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
                 return ChunkedHeadLoss.apply(hidden, weight, target_ids, chunk)
-            return chunked_head_loss_sum(hidden, weight, target_ids, chunk)
+            return chunked_head_eval_sums(hidden, weight, target_ids, chunk)[0]
         return F.cross_entropy(self.lm_head(hidden).float(), target_ids, reduction="sum")
 
     def full_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -294,61 +346,6 @@ LIGER_KERNELS = {
     "cross_entropy": False,
     "fused_linear_cross_entropy": False,
 }
-
-
-def attention_cost_warning(attn: Attention, device: torch.device, row_lengths: list[list[int]]) -> str | None:
-    """Advice when the attention kernel does not fit the batching, or None when it does.
-
-    Args:
-        attn: ``model.attn_implementation``.
-        device: this rank's device (only CUDA has a better choice to offer).
-        row_lengths: the sample lengths in each row this rank trains on this epoch (``row_lengths`` of the
-            sampler): several per row when packed.
-    """
-    if device.type != "cuda" or not row_lengths:
-        return None
-    packed = any(len(row) > 1 for row in row_lengths)
-    if attn == Attention.flash_attention_2 and not packed:
-        return (
-            "model.attn_implementation=flash_attention_2 with padded batches: transformers unpads and re-pads every "
-            "batch in every layer (index gathers and a host sync per layer). data.batching=packed hands flash-"
-            "attention's varlen kernel the samples without padding."
-        )
-    if attn == Attention.sdpa and packed:
-        extra = dense_attention_overhead(row_lengths)
-        return (
-            f"model.attn_implementation=sdpa with data.batching=packed builds a dense block-diagonal mask and computes "
-            f"every cross-sample block: {extra:.1f}x the attention scores the samples need, on this epoch's rows "
-            "(not counted in mfu). model.attn_implementation=flash_attention_2 (pip install flash-attn) computes "
-            "each sample alone."
-        )
-    return None
-
-
-def warn_about_attention_cost(
-    attn: Attention, device: torch.device, row_lengths: Callable[[], list[list[int]]]
-) -> None:
-    """Log ``attention_cost_warning``'s advice once, from rank 0 (every rank's plan tells the same story).
-    ``row_lengths`` walks the epoch's plan: only called where there is a choice to advise on (CUDA)."""
-    if device.type != "cuda":
-        return
-    advice = attention_cost_warning(attn, device, row_lengths())
-    if advice:
-        log.warning(advice, extra={"same_on_all_ranks": True})  # observe.console.RANK_ZERO_ONLY: other ranks stay quiet
-
-
-def dense_attention_overhead(row_lengths: list[list[int]]) -> float:
-    """Attention scores a dense kernel computes over packed rows, per score the samples need: sum over rows of
-    (row length)^2 over the sum of (sample length)^2 (causal masking halves both)."""
-    dense = sum(sum(row) ** 2 for row in row_lengths)
-    needed = sum(length**2 for row in row_lengths for length in row)
-    return dense / max(needed, 1)
-
-
-def wants_varlen_lengths(cfg: ModelConfig) -> bool:
-    """Whether packed rows should carry their sample lengths: flash-attention's varlen kernel takes them
-    (``model.attn_implementation=flash_attention_2``); other kernels find samples from the position ids."""
-    return cfg.attn_implementation == Attention.flash_attention_2
 
 
 def batch_to_device(batch: dict[str, Any], device: torch.device, compiled: bool) -> dict[str, Any]:

@@ -17,9 +17,13 @@ from typing import Any
 import torch
 
 from ddptrain import checkpoint, model, parallel, rng
+from ddptrain.attention import wants_varlen_lengths, warn_about_attention_cost
 from ddptrain.config import DType, RunConfig, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
-from ddptrain.model import batch_to_device, build_model, build_tokenizer, wants_varlen_lengths
+from ddptrain.evaluation.best import build_best_tracker
+from ddptrain.evaluation.evaluator import Evaluator
+from ddptrain.evaluation.samples import build_samples
+from ddptrain.model import batch_to_device, build_model, build_tokenizer
 from ddptrain.observe import profiling, timing
 from ddptrain.observe.console import build_progress_bar
 from ddptrain.observe.flops import build_model_flops, matmul_dtype, peak_tflops
@@ -59,7 +63,7 @@ class Trainer:
         self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer)
         rng.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
         self.sampler, self.loader = self.data.sampler, self.data.loader
-        model.warn_about_attention_cost(cfg.model.attn_implementation, env.device, self.sampler.row_lengths)
+        warn_about_attention_cost(cfg.model.attn_implementation, env.device, self.sampler.row_lengths)
         self.comm = parallel.CommCounter()
         self.clock = timing.build_clock(cfg.trainer.timing, env.device, self.comm)  # before DDP: it times the hook
         self.clock.enter("wrap_model")  # a collective (the replicas' checksum): a hang here says so
@@ -79,18 +83,17 @@ class Trainer:
         self.peak_tflops = peak_tflops(env.device, matmul_dtype(precision, cfg.model.dtype), cfg.trainer.peak_tflops)
         self.profiler = profiling.build_profiler(cfg.trainer, env, run_dir, self.clock)
         self.metrics = build_metrics_logger(env.is_rank_zero, run_dir, cfg.logger, config_as_dict(cfg))
+        self.best = build_best_tracker(cfg.trainer, has_eval=self.data.eval is not None)
+        samples = build_samples(cfg.trainer, cfg.data, self.tokenizer, env.rank, env.world_size)
+        batches = self.data.eval_batches if self.data.eval is not None else None
+        parts = (self.loss_module, batches, samples, self.best, self.metrics, self.clock, self.autocast, env.device)
+        self.evaluate = Evaluator(*parts)  # the eval metrics, the samples, the best tracker's verdict
         shared = {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
-        shared["sampler"] = self.sampler  # the data position: epoch and micro-steps consumed
-        self.checkpointer = checkpoint.Checkpointer(
-            env,
-            run_dir,
-            cfg.trainer.keep_last_n,
-            cfg.trainer.save_timeout_s,
-            weights=self.loss_module.model,
-            shared=shared,
-            per_rank={"windows": self.window},
-            fingerprint=self.data.fingerprint,
-        )
+        files = checkpoint.AdapterFiles(self.tokenizer, cfg.model, cfg.trainer.seed)
+        self.checkpointer = checkpoint.build_checkpointer(  # the sampler holds the data position
+            env, run_dir, cfg.trainer, files, self.loss_module.model, {**shared, "sampler": self.sampler},
+            {"windows": self.window}, self.data.fingerprint, self.best, self.data.train[:2]["input_ids"],
+        )  # fmt: skip
         self.clock.enter("resume")
         self.step = self.checkpointer.resume(cfg.trainer.resume) or 0
         self.metrics.log(self.memory_plan.as_record(self.step))  # the report sets it beside the measured peaks
@@ -119,7 +122,7 @@ class Trainer:
                 stopping = votes is not None and votes.value() > 0
                 votes = parallel.LateRead(result.stop_votes, self.step + 1)  # self.step: the steps before this one
                 last = self.after_step(result, watch, bar) or last
-                if stopping or self.step >= self.total_steps:
+                if stopping or self.step >= self.total_steps or self.best.should_stop:
                     break
         bar.close()
         with signals.stop_on_signals(stop):  # while saving: a repeat changes nothing, a second Ctrl-C aborts
@@ -134,7 +137,7 @@ class Trainer:
 
     def remaining_steps(self) -> Iterator[list[dict[str, Any]]]:
         """Optimizer steps from the data position on, epoch after epoch (``fit`` stops at total_steps)."""
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and not self.best.should_stop:  # an early-stopped run resumed: done
             yield from self.data.optimizer_steps()
             self.sampler.set_epoch(self.sampler.epoch + 1)
 
@@ -200,9 +203,10 @@ class Trainer:
             self.clock.enter("log", self.step)
             record = self.log_window(watch, result.grad_norm)
             bar.update(record)
-        if self.due(self.cfg.trainer.eval_every_n_steps) and self.data.eval is not None:
-            self.evaluate()
-        if self.due(self.cfg.trainer.save_every_n_steps):
+        if self.due(self.cfg.trainer.eval_every_n_steps):
+            self.evaluate(self.step)
+        # A new best is saved at once, or the checkpoints to keep the best from would not exist.
+        if self.due(self.cfg.trainer.save_every_n_steps) or self.best.wants_checkpoint(self.step):
             self.save()
         self.clock.enter("data", self.step + 1)
         return record
@@ -222,36 +226,30 @@ class Trainer:
         self.metrics.log(record)
         return record
 
-    def evaluate(self) -> float:
-        """Mean target-token loss over the whole eval split (every rank a disjoint shard, none dropped)."""
-        self.clock.enter("eval", self.step)
-        self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: freed before eval's peak
-        self.loss_module.eval()
-        totals = torch.zeros(2, dtype=torch.float64)
-        with torch.no_grad(), self.autocast():
-            for batch in self.data.eval_batches():
-                loss_sum, n = self.loss_module(**batch_to_device(batch, self.env.device, compiled=False))
-                totals += torch.tensor([float(loss_sum), float(n)], dtype=torch.float64)
-        self.loss_module.train()
-        totals = parallel.all_reduce_sum(totals)
-        eval_loss = float(totals[0] / max(totals[1], 1.0))
-        self.metrics.log({"step": self.step, "eval_loss": eval_loss, "eval_tokens": int(totals[1])})
-        log.info("step %d: eval_loss %.4f", self.step, eval_loss)
-        return eval_loss
+    def finish(self) -> dict[str, Any]:
+        """Final evaluation (unless this step was just evaluated: an early stop), the last checkpoint and the adapter.
 
-    def finish(self) -> dict[str, float]:
-        """Final evaluation (its ``eval_loss``, what a sweep's job returns), the last checkpoint and the adapter."""
+        Returns:
+            The final eval metrics, and the best evaluation (``best_step``, ``best_value`` of ``best_metric``: what a
+            sweep's job returns) and ``early_stopped`` (why) when there were any.
+        """
         self.clock.enter("finish", self.step)
-        final = {"eval_loss": self.evaluate()} if self.data.eval is not None else {}
-        if self.cfg.trainer.save_final:
+        final = self.best.evaluated_at(self.step) or self.evaluate(self.step)
+        if self.cfg.trainer.save_final or self.best.wants_checkpoint(self.step):
             self.save()
-            self.checkpointer.save_final(self.tokenizer, self.cfg.model, self.cfg.trainer.seed)
+        if self.cfg.trainer.save_final:
+            self.metrics.log(self.checkpointer.save_final(self.step))  # the save check's record, on rank 0
         parallel.barrier()
-        return final
+        outcome = (
+            {k: v for k, v in final.items() if k.startswith("eval_")} | self.best.summary() | {"last_step": self.step}
+        )
+        if "early_stopped" in outcome:
+            log.info("early stopping at step %d: %s", self.step, outcome["early_stopped"])
+        return outcome
 
     def save(self) -> None:
         self.clock.enter("save", self.step)
-        self.checkpointer.save(self.step)
+        self.metrics.log(self.checkpointer.save(self.step))  # the save check's record (its cost), on rank 0
 
     def close(self, status: str) -> None:
         """After the process group is gone (no rank waits on this): a profile cut short, then on rank 0 the

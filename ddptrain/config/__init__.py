@@ -40,11 +40,20 @@ from ddptrain.config.run import (
     to_yaml,
     validate,
 )
-from ddptrain.config.trainer import Device, DiagnoseConfig, Precision, TrainerConfig
+from ddptrain.config.trainer import (
+    EVAL_METRICS,
+    Device,
+    DiagnoseConfig,
+    EarlyStoppingConfig,
+    Precision,
+    SaveCheckMode,
+    TrainerConfig,
+)
 
 __all__ = [
     "ASSETS_DIR",
     "COMMAND_LINE_ENV",
+    "EVAL_METRICS",
     "Attention",
     "Backend",
     "Batching",
@@ -54,6 +63,7 @@ __all__ = [
     "DataConfig",
     "Device",
     "DiagnoseConfig",
+    "EarlyStoppingConfig",
     "LoggerConfig",
     "MlflowLoggerConfig",
     "ModelConfig",
@@ -63,6 +73,7 @@ __all__ = [
     "PlanConfig",
     "Precision",
     "RunConfig",
+    "SaveCheckMode",
     "Scheduler",
     "SourceConfig",
     "StartMethod",

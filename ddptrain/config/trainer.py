@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 from ddptrain.config.checks import _positive
 
@@ -23,6 +24,28 @@ class Device(str, Enum):
     auto = "auto"  # cuda:LOCAL_RANK when CUDA is available, else cpu
     cpu = "cpu"
     cuda = "cuda"
+
+
+class SaveCheckMode(str, Enum):
+    every = "every"  # every checkpoint, best/ and adapter/ as they are written
+    final = "final"  # adapter/ and best/ at the end of the run only
+    off = "off"
+
+
+EVAL_METRICS = {"eval_loss": False, "eval_perplexity": False, "eval_accuracy": True}
+"""What an evaluation measures, each with whether a greater value is better (trainer.best_metric)."""
+PROMPT_FILE_TYPES = (".jsonl", ".txt")
+
+
+@dataclass
+class EarlyStoppingConfig:
+    """End the run when trainer.best_metric stops improving (trainer.early_stopping.*)."""
+
+    patience: int = 0
+    """Evaluations in a row without an improvement of at least min_delta that end the run: every rank at the same
+    step, after a checkpoint, exit code 0. 0 = never stop early. Needs trainer.eval_every_n_steps > 0."""
+    min_delta: float = 0.0
+    """The least change of trainer.best_metric, in its better direction, that counts as an improvement."""
 
 
 @dataclass
@@ -66,7 +89,29 @@ class TrainerConfig:
     save_every_n_steps: int = 0
     """0 = save only at the end."""
     keep_last_n: int = 3
-    """Checkpoints kept under <run>/checkpoints (older ones are deleted)."""
+    """Checkpoints kept under <run>/checkpoints (older ones are deleted, unless trainer.keep_best_n keeps them)."""
+    keep_best_n: int = 1
+    """Checkpoints kept for their trainer.best_metric, besides the last trainer.keep_last_n; the best one's adapter is
+    also in <run>/best/ (best.json names its step). An evaluation that improves on them saves a checkpoint at once.
+    0 = keep the last ones only, no best/. Nothing to rank without an eval split."""
+    best_metric: str = "eval_loss"
+    """What makes a checkpoint the best, and what early stopping watches: eval_loss, eval_perplexity or
+    eval_accuracy (the share of target tokens the model's greedy guess gets right)."""
+    greater_is_better: Optional[bool] = None
+    """The direction of trainer.best_metric; null = by the metric (eval_accuracy: greater, the losses: lower)."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    """Stop when trainer.best_metric stops improving (trainer.early_stopping.patience, .min_delta)."""
+    eval_prompts: Any = None
+    """Prompts the model completes at every evaluation: a list (['Sort 3, 1, 2.', ...]) or a .txt file (a prompt a
+    line) or .jsonl file (rows as data.path holds them: {"instruction", "input"}, {"messages"}, or {"prompt"}),
+    rendered with the run's own template; greedy completions go to <run>/samples.jsonl and to each logger.
+    null = none."""
+    eval_max_new_tokens: int = 64
+    """The longest completion of each trainer.eval_prompts prompt (greedy decoding; it stops earlier at the EOS)."""
+    save_check: SaveCheckMode = SaveCheckMode.every
+    """Prove each saved adapter loads: plain peft loads it onto the base the run recorded and must compute the
+    training model's logits on a probe batch (the merged model too); keys canonical, every lora_B trained. every:
+    each checkpoint, best/ and adapter/; final: adapter/ and best/ at the end only; off."""
     save_timeout_s: int = 3600
     """How long the other ranks wait for rank 0 to write a checkpoint or the final weights. They wait through the
     store, not in a collective, so a save may outlast parallel.timeout_s (tens of GB on network storage); a save
@@ -99,7 +144,9 @@ class TrainerConfig:
 def _check_trainer(t: TrainerConfig) -> list[str]:
     problems = _positive({"trainer.max_steps": t.max_steps, "trainer.epochs": t.epochs})
     problems += _positive({"trainer.log_every_n_steps": t.log_every_n_steps, "trainer.keep_last_n": t.keep_last_n})
-    problems += _positive({"trainer.save_timeout_s": t.save_timeout_s})
+    problems += _positive(
+        {"trainer.save_timeout_s": t.save_timeout_s, "trainer.eval_max_new_tokens": t.eval_max_new_tokens}
+    )
     if t.resume not in ("auto", "none") and not os.path.exists(os.path.expanduser(t.resume)):
         problems.append(
             f"trainer.resume={t.resume}: no such folder. Use auto, none, or a run / checkpoints/step-N folder."
@@ -109,7 +156,49 @@ def _check_trainer(t: TrainerConfig) -> list[str]:
             problems.append(f"trainer.{key}={getattr(t, key)} must be 0 (only at the end) or more.")
     if t.peak_tflops is not None and t.peak_tflops <= 0:
         problems.append(f"trainer.peak_tflops={t.peak_tflops} must be positive, or null to look it up.")
-    return problems + _check_profile(t) + _check_diagnose(t.diagnose)
+    return problems + _check_profile(t) + _check_diagnose(t.diagnose) + _check_best(t) + _check_prompts(t.eval_prompts)
+
+
+def _check_best(t: TrainerConfig) -> list[str]:
+    problems = []
+    if t.keep_best_n < 0:
+        problems.append(f"trainer.keep_best_n={t.keep_best_n} must be 0 (no best checkpoints) or more.")
+    if t.best_metric not in EVAL_METRICS:
+        problems.append(f"trainer.best_metric={t.best_metric} is not measured: use one of {', '.join(EVAL_METRICS)}.")
+    stopping = t.early_stopping
+    if stopping.patience < 0:
+        problems.append(f"trainer.early_stopping.patience={stopping.patience} must be 0 (off) or more evaluations.")
+    if stopping.min_delta < 0:
+        problems.append(
+            f"trainer.early_stopping.min_delta={stopping.min_delta} must be 0 or more (an improvement, in the "
+            "metric's better direction)."
+        )
+    if stopping.patience > 0 and t.eval_every_n_steps == 0:
+        problems.append(
+            f"trainer.early_stopping.patience={stopping.patience} counts evaluations, but trainer.eval_every_n_steps=0 "
+            "evaluates only at the end: set trainer.eval_every_n_steps=<steps between evaluations>."
+        )
+    return problems
+
+
+def _check_prompts(prompts: Any) -> list[str]:
+    """trainer.eval_prompts: null, a list of prompts (texts or rows), or a .txt / .jsonl file that exists."""
+    if prompts is None:
+        return []
+    if isinstance(prompts, str):
+        path = Path(prompts).expanduser()
+        if path.suffix not in PROMPT_FILE_TYPES:
+            return [
+                f"trainer.eval_prompts={prompts}: a file of prompts must be .txt (one a line) or .jsonl (one row a "
+                "line); for one prompt pass a list: trainer.eval_prompts='[Sort 3, 1, 2.]'."
+            ]
+        return [] if path.is_file() else [f"trainer.eval_prompts={prompts}: no such file."]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        return [f"trainer.eval_prompts must be a non-empty list of prompts or a .txt/.jsonl file, not {prompts!r}."]
+    bad = [i for i, p in enumerate(prompts) if not (isinstance(p, str) and p.strip()) and not isinstance(p, dict)]
+    if bad:
+        return [f"trainer.eval_prompts: entries {bad} are neither text nor a row ({{instruction: ...}})."]
+    return []
 
 
 def _check_diagnose(d: DiagnoseConfig) -> list[str]:

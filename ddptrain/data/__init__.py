@@ -10,6 +10,7 @@
     sampler    one rank's column of the plan, with the data position a checkpoint saves
     batch_cost what a micro-batch costs in padded tokens (shared with the config check)
     collate    rows to padded or packed tensors
+    prompts    trainer.eval_prompts rendered in the run's template, for the samples at each evaluation
     loader     ``build_training_data``: the one call the trainer makes
 
 Importing the package loads none of them: ``config`` imports ``sources`` and ``batch_cost`` (no torch, no
@@ -41,6 +42,8 @@ _HOMES = {
     "tokenize_file": "tokenized",
     "load_rows": "load",
     "IGNORE_INDEX": "encode",
+    "PromptRenderer": "prompts",
+    "read_prompts": "prompts",
     "RowEncoder": "encode",
     "resolve_chat_template": "encode",
 }
@@ -49,6 +52,7 @@ __all__ = [
     "IGNORE_INDEX",
     "Collator",
     "DataOrder",
+    "PromptRenderer",
     "RowEncoder",
     "RowsDataset",
     "TokenizedData",
@@ -62,6 +66,7 @@ __all__ = [
     "load_rows",
     "mixture_indices",
     "mixture_rows",
+    "read_prompts",
     "resolve_chat_template",
     "source_data_config",
     "tokenize_file",
@@ -73,6 +78,7 @@ if TYPE_CHECKING:
     from ddptrain.data.load import load_rows
     from ddptrain.data.loader import DataOrder, TrainingData, build_batching_spec, build_training_data
     from ddptrain.data.mixture import build_datasets, build_mixture, mixture_indices, mixture_rows, source_data_config
+    from ddptrain.data.prompts import PromptRenderer, read_prompts
     from ddptrain.data.tokenized import TokenizedData, tokenize_file
 
 

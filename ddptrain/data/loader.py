@@ -28,7 +28,7 @@ from ddptrain.data.batch_cost import ceil_div
 from ddptrain.data.collate import Collator, RowsDataset, build_collator
 from ddptrain.data.encode import RANK_ZERO_ONLY
 from ddptrain.data.mixture import build_datasets
-from ddptrain.data.plan import BatchingSpec
+from ddptrain.data.plan import BatchingSpec, eval_batch_plan
 from ddptrain.data.sampler import DistributedBatchSampler
 from ddptrain.data.show import marked_text
 from ddptrain.data.tokenized import TokenizedData
@@ -81,16 +81,13 @@ class TrainingData:
         return sum(ceil_div(self.sampler.epoch_length(epoch), accum) for epoch in range(epochs))
 
     def eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        """This rank's shard of the eval split (every row on exactly one rank), collated on the CPU."""
+        """This rank's share of the eval split (``plan.eval_batch_plan``: every row on exactly one rank), collated on
+        the CPU."""
         assert self.eval is not None
-        lengths = self.eval["length"]
-        # Sorted by length: neighbours share a padded width, and every rank gets a similar mix.
-        order = sorted(range(len(lengths)), key=lengths.__getitem__)
-        shard = order[self.env.rank :: self.env.world_size]
         rows = RowsDataset(self.eval)
-        size = self.eval_micro_batch_size
-        for start in range(0, len(shard), size):
-            yield self.eval_collator([rows[(i,)] for i in shard[start : start + size]])
+        plan = eval_batch_plan(self.eval["length"], self.eval_micro_batch_size, self.env.world_size)
+        for batch in plan[self.env.rank]:
+            yield self.eval_collator([rows[(i,)] for i in batch])
 
 
 SAMPLE_LOG_TOKENS = 1024  # the start-up log shows at most this much of the first sample

@@ -402,3 +402,17 @@ def _costliest_first(plan: list[list[MicroBatch]], lengths: np.ndarray, spec: Ba
     top = int(np.argmax(peaks))
     plan[0], plan[top] = plan[top], plan[0]
     return plan
+
+
+def eval_batch_plan(lengths: Sequence[int], micro_batch_size: int, world_size: int) -> list[list[list[int]]]:
+    """Every rank's eval micro-batches: ``plan[rank]`` is its list of batches (dataset indices).
+
+    The eval set, sorted by length, is cut into batches of ``micro_batch_size`` neighbours (little padding), and
+    the batches are dealt round-robin to the ranks: each row is on exactly one rank, none is dropped, and every
+    batch holds the same rows whatever the number of ranks, so the eval loss of one rank and of N agree to
+    float64 rounding (each batch's sum is computed on the same tensors), and the ranks get a similar mix of lengths.
+    """
+    lengths = [int(n) for n in lengths]
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    batches = [order[start : start + micro_batch_size] for start in range(0, len(order), micro_batch_size)]
+    return [batches[rank::world_size] for rank in range(world_size)]

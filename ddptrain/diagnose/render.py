@@ -88,6 +88,7 @@ def render_markdown(report: dict) -> str:
     lines = [f"# Run report: verdict `{report['verdict'] or 'none'}`", "", f"**{report['headline']}**", ""]
     lines += [f"Rule: {f['rule']}." for f in report["findings"][:1]] + [""]
     lines += ["## Numbers", "", *_numbers(s), "", "## Where a step's time goes", "", *_split_table(s), ""]
+    lines += ["## Outside the steps", "", *_outside_table(s), ""]
     lines += ["## Levers, by expected gain", ""]
     lines += [_lever_line(i, lv) for i, lv in enumerate(report["levers"], 1)] or ["None."]
     lines += ["", "## Predictions", "", "| change | step s | tokens/s |", "|---|---:|---:|"]
@@ -120,8 +121,28 @@ def _numbers(s: dict) -> list[str]:
         f"- all-reduce per step and rank: {_f((s.get('allreduce_bytes_per_step') or 0) / MIB, '.2f')} MiB in "
         f"{_f(s.get('allreduce_calls_per_step'), '.1f')} call(s)",
         f"- loss: {_f(s['loss_first'], '.4f')} → {_f(s['loss_last'], '.4f')}"
-        + (f"; eval loss {s['eval_loss_last']:.4f}" if s.get("eval_loss_last") is not None else ""),
+        + (f"; eval loss {s['eval_loss_last']:.4f}" if s.get("eval_loss_last") is not None else "")
+        + _best_text(s),
     ]
+
+
+def _best_text(s: dict) -> str:
+    """The best evaluation (trainer.best_metric), whose adapter ``<run>/best/`` holds (trainer.keep_best_n)."""
+    if s.get("best_step") is None:
+        return ""
+    return f"; best {s['best_metric']} {s['best_value']:.4f} at step {s['best_step']} (its adapter: `best/`)"
+
+
+def _outside_table(s: dict) -> list[str]:
+    """Time spent between the steps, by part: evaluating, generating samples, checking saved adapters."""
+    outside = s.get("outside") or {}
+    parts = (("evaluation", "eval"), ("samples (trainer.eval_prompts)", "samples"), ("save checks", "save_check"))
+    rows = [(name, outside.get(f"{key}_count", 0), outside.get(f"{key}_s", 0.0)) for name, key in parts]
+    if not any(count for _, count, _ in rows):
+        return ["Nothing was evaluated, sampled or checked."]
+    lines = ["| part | times | s in all | s each |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {n} | {sec:.2f} | {sec / n:.2f} |" for name, n, sec in rows if n]
+    return lines
 
 
 def _predicted_text(s: dict) -> str:

@@ -19,6 +19,7 @@ from ddptrain.diagnose.runs import (
     log_tail,
     measure_balance,
     measure_split,
+    outside_the_steps,
     per_rank,
     read_metrics,
     steady_windows,
@@ -56,6 +57,7 @@ def build_report(run_dir: Path) -> dict:
             f"(trainer.log_every_n_steps={every}). Nothing to diagnose.{log_tail(run_dir)}"
         )
     summary = summarize(records, evals, settings)
+    summary["outside"] = outside_the_steps(run_dir, evals)
     by_rank = per_rank(records)
     timed = steady_windows(timed_windows(records))
     summary["rank_time_imbalance_logged"] = weighted_mean(timed, "rank_time_imbalance")

@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ddptrain.config import DataConfig, DiagnoseConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
+from ddptrain.evaluation.best import BestRule
 
 # The record's time columns, in the order of the report's tables and the stacked bars.
 TIME_COLUMNS = ("time_data_s", "time_compute_s", "time_comm_s", "time_optimizer_s", "time_other_s")
@@ -78,7 +79,9 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     previous = None  # the file's last training record so far, kept or not
     for record in _parsed_lines(path):
         step = record["step"]
-        if "eval_loss" in record:
+        if SAVE_CHECK_KEY in record:  # a save's record, between two training records: not the training history
+            continue
+        if "eval_loss" in record or "samples_s" in record:
             evals = [e for e in evals if e["step"] != step] + [record]
             continue
         restarted = previous is not None and _restarted(previous, record)
@@ -88,6 +91,20 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
         train.append(record | {"first_window": previous is None or restarted})
         previous = record
     return train, sorted(evals, key=lambda e: e["step"])
+
+
+SAVE_CHECK_KEY = "save_check_s"
+"""The key of the record a save's check logs (``evaluation.save_check``)."""
+
+
+def outside_the_steps(run_dir: Path, evals: list[dict]) -> dict[str, float]:
+    """Seconds the run spent outside its training steps, by part, over the whole run: evaluating (``eval_s``),
+    generating the samples (``samples_s``) and checking that saved adapters load (``save_check_s``)."""
+    checks = [r for r in _parsed_lines(Path(run_dir) / "metrics.jsonl") if SAVE_CHECK_KEY in r]
+    parts = {"eval_s": evals, "samples_s": evals, SAVE_CHECK_KEY: checks}
+    found = {key: sum(as_number(r.get(key)) or 0.0 for r in records) for key, records in parts.items()}
+    counts = {f"{key.removesuffix('_s')}_count": sum(key in r for r in records) for key, records in parts.items()}
+    return found | counts
 
 
 def _parsed_lines(path: Path) -> list[dict]:
@@ -364,7 +381,7 @@ def summarize(records: list[dict], evals: list[dict], settings: RunSettings) -> 
         "tokens_per_step": tokens_per_step,
         "loss_first": as_number(records[0].get("loss")),
         "loss_last": as_number(last.get("loss")),
-        "eval_loss_last": as_number(evals[-1].get("eval_loss")) if evals else None,
+        "eval_loss_last": _last_eval_loss(evals),
         "padding_fraction": weighted_mean(steady, "padding_fraction"),
         "rank_imbalance": weighted_mean(steady, "rank_imbalance"),
         "peak_rank_tokens": _max(records, "peak_rank_tokens"),
@@ -375,7 +392,22 @@ def summarize(records: list[dict], evals: list[dict], settings: RunSettings) -> 
     for key in ("step_time_s", *TIME_COLUMNS, "tflops", "mfu", "peak_tflops", "model_flops_per_step"):
         summary[key] = weighted_mean(timed, key)
     summary |= _memory_summary(records)
-    return summary
+    return summary | best_eval(evals, settings)
+
+
+def _last_eval_loss(evals: list[dict]) -> float | None:
+    losses = [e for e in evals if "eval_loss" in e]
+    return as_number(losses[-1]["eval_loss"]) if losses else None
+
+
+def best_eval(evals: list[dict], settings: RunSettings) -> dict:
+    """The best evaluation by ``trainer.best_metric`` (its direction as ``trainer.greater_is_better`` says), as the
+    run's best tracker chose it: ``best_metric``, ``best_step`` and ``best_value`` (None without an evaluation)."""
+    metric = settings["trainer.best_metric"]
+    rule = BestRule.build(metric, settings["trainer.greater_is_better"], keep_best_n=1)
+    scored = [(value, e) for e in evals if (value := as_number(e.get(metric))) is not None]
+    best = rule.best_first(scored)[0] if scored else None  # stable: of equal values the earliest, as the tracker
+    return {"best_metric": metric, "best_step": best and best["step"], "best_value": best and best[metric]}
 
 
 def _grad_accum_steps(settings: RunSettings, world_size: int) -> int:

@@ -106,3 +106,15 @@ def build_progress_bar(
     enabled: bool, is_rank_zero: bool, total: int, initial: int = 0
 ) -> ProgressBar | NullProgressBar:
     return ProgressBar(total, initial) if enabled and is_rank_zero else NullProgressBar()
+
+
+def done_line(result: dict[str, Any], run_dir: Path) -> str:
+    """The run's last line: where the results are, the best evaluation and where its adapter is, an early stop."""
+    line = f"ddptrain: done. Results in {run_dir}"
+    if "early_stopped" in result:
+        line = f"ddptrain: stopped early at step {result['last_step']}: {result['early_stopped']}. Results in {run_dir}"
+    if "best_step" in result:
+        where = f" is in {run_dir / 'best'}" if result["best_kept"] else " (trainer.keep_best_n=0: not kept)"
+        line += f"; the best adapter, step {result['best_step']} ({result['best_metric']} {result['best_value']:.4f}),"
+        line += where
+    return line

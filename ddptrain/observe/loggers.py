@@ -7,6 +7,8 @@ Every logger has the same three calls, made by ``observe.metrics.MetricsLogger``
   ``by_rank/1/time_comm_s``);
   the strings ``metrics.jsonl`` writes for non-finite floats ("nan", "inf", "-inf") become floats again,
   so that a diverging loss shows in the charts; other strings and nulls are skipped.
+- ``log_samples(step, rows)``: the completions of ``trainer.eval_prompts`` at an evaluation (``prompt``,
+  ``completion``, ...): a TensorBoard text, a W&B table, an MLflow artifact ``samples/step-<N>.json``.
 - ``log_report(report, report_md)``: the end-of-run diagnosis (``verdict``, ``summary``, ``levers``).
 - ``close(status)``: flush and end the run as it ended, one of ``RUN_STATUSES``: ``"finished"`` (ran to its
   end), ``"failed"`` (raised), ``"stopped"`` (SIGTERM or Ctrl-C: a checkpoint was saved, ``trainer.resume``
@@ -58,6 +60,8 @@ class Logger(Protocol):
     """What ``observe.metrics.MetricsLogger`` calls on each chosen logger."""
 
     def log_metrics(self, record: dict[str, Any], step: int) -> None: ...
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
 
     def log_report(self, report: dict[str, Any], report_md: Path) -> None: ...
 
@@ -153,6 +157,28 @@ def flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, str | int
     return out
 
 
+# ----------------------------------------------------------------------------- samples
+
+SAMPLES_TAG = "samples"
+SAMPLE_COLUMNS = ("step", "prompt", "completion")
+
+
+def _cell(value: Any) -> str | int:
+    """A prompt given as a row shows as its JSON."""
+    return value if isinstance(value, (str, int)) else json.dumps(value)
+
+
+def samples_markdown(rows: list[dict[str, Any]]) -> str:
+    """The samples of one evaluation as Markdown (TensorBoard's text tab renders it): each prompt and its completion
+    as indented code blocks, which keep their lines."""
+    blocks = [
+        f"**prompt {i}**\n\n{_code_block(str(_cell(r['prompt'])))}\n\n**completion**\n\n"
+        f"{_code_block(r['completion'] or '(empty)')}"
+        for i, r in enumerate(rows)
+    ]
+    return "\n\n".join(blocks)
+
+
 # ----------------------------------------------------------------------------- TensorBoard
 
 
@@ -180,6 +206,9 @@ class TensorBoardLogger:
         for name, value in metric_values(record).items():
             self.writer.add_scalar(name, value, step)
         self.last_step = step
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.writer.add_text(SAMPLES_TAG, samples_markdown(rows), step)
 
     def log_report(self, report: dict[str, Any], report_md: Path) -> None:
         self.writer.add_text("report", report_md.read_text(), self.last_step)
@@ -232,6 +261,14 @@ class WandbLogger:
     def log_metrics(self, record: dict[str, Any], step: int) -> None:
         # W&B keeps a row open until a higher step arrives, so the eval record of a step joins its training row.
         self.run.log(metric_values(record), step=step)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        import wandb
+
+        table = wandb.Table(
+            columns=list(SAMPLE_COLUMNS), data=[[_cell(row[c]) for c in SAMPLE_COLUMNS] for row in rows]
+        )
+        self.run.log({SAMPLES_TAG: table}, step=step)
 
     def log_report(self, report: dict[str, Any], report_md: Path) -> None:
         self.run.summary["report"] = report  # nested: verdict, summary numbers, levers
@@ -302,6 +339,9 @@ class MlflowLogger:
         metrics = [Metric(key, value, now_ms, step) for key, value in numbers.items()]
         for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):  # per-rank figures of a large job add up
             self.client.log_batch(self.run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.client.log_dict(self.run_id, {"step": step, "samples": rows}, f"{SAMPLES_TAG}/step-{step:08d}.json")
 
     def log_report(self, report: dict[str, Any], report_md: Path) -> None:
         self.client.set_tag(self.run_id, "verdict", str(report["verdict"]))

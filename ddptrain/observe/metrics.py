@@ -14,6 +14,9 @@ from typing import Any
 from ddptrain.observe.loggers import build_loggers
 from ddptrain.observe.run_files import RunFiles
 
+SAMPLES_FILE = "samples.jsonl"
+"""``<run>/samples.jsonl``: a row per prompt and evaluation: ``{"step", "prompt", "completion", "tokens", "ended"}``."""
+
 
 class MetricsLogger:
     """Appends one JSON object per logged step to ``metrics.jsonl``, and hands it to the chosen loggers.
@@ -39,6 +42,13 @@ class MetricsLogger:
             # A tracking server that is down costs a warning, not the training: metrics.jsonl has the record.
             _tolerate(logger.log_metrics, plain, int(plain["step"]))
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """The completions of trainer.eval_prompts at ``step``: appended to ``samples.jsonl``, handed to the loggers."""
+        with (self.path.parent / SAMPLES_FILE).open("a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        for logger in self.loggers:
+            _tolerate(logger.log_samples, step, rows)
+
     def close(self, status: str = "finished") -> None:
         """The end of the run: close metrics.jsonl, have the diagnosis written, hand it to the loggers, close them.
 
@@ -60,6 +70,9 @@ class NullMetricsLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         """Nothing to write: rank 0 logs the (already reduced) record."""
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Nothing to write: rank 0 writes the samples, gathered from every rank."""
 
     def close(self, status: str = "finished") -> None:
         """No file to close."""

@@ -54,6 +54,7 @@ COLUMN_OF: dict[str, str | None] = {
     "other": "other",
     "log": None,
     "eval": None,
+    "samples": None,
     "save": None,
     "finish": None,
     "profile": None,

@@ -16,7 +16,7 @@ import numpy as np
 
 from ddptrain.config import Batching
 from ddptrain.data.encode import IGNORE_INDEX
-from ddptrain.data.plan import BatchingSpec, MicroBatch, plan_epoch
+from ddptrain.data.plan import BatchingSpec, MicroBatch, eval_batch_plan, plan_epoch
 from ddptrain.data.tokenized import TokenizedData
 from ddptrain.plan.simulate import BatchShape
 
@@ -65,14 +65,12 @@ def eval_candidate(data: TokenizedData, micro_batch_size: int, world_size: int, 
     if data.eval is None or len(data.eval) == 0:
         return None
     lengths = np.asarray(data.eval["length"], dtype=np.int64)
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
     padded_spec = BatchingSpec(Batching.random, 1, 1, 1, pad_to_multiple_of=spec.pad_to_multiple_of)
     best = None
-    for rank in range(world_size):
-        shard = order[rank::world_size]
-        for start in range(0, len(shard), micro_batch_size):
-            batch = [(i,) for i in shard[start : start + micro_batch_size]]
-            cost = padded_spec.cost([int(lengths[i]) for (i,) in batch])
+    for rank, batches in enumerate(eval_batch_plan(data.eval["length"], micro_batch_size, world_size)):
+        for rows in batches:
+            batch = [(i,) for i in rows]
+            cost = padded_spec.cost([int(lengths[i]) for i in rows])
             if best is None or cost > best[0]:
                 best = (cost, rank, batch)
     _, rank, batch = best

@@ -145,7 +145,7 @@ class _FakeDepth:
             batch = _fake_batch(shape)
             live = LiveBytes(ignore=self._parameter_storages)
             with live, self._autocast():
-                self.module(**batch)
+                self.module.eval_sums(**batch)
         return live.peak
 
     def parameter_bytes(self) -> dict[str, int]:

@@ -4,14 +4,17 @@
 ``metrics.jsonl`` and ``config.yaml``) and writes into the sweep folder:
 
 - ``report.csv``: one row per job: its number and folder, the overrides that tell it from the other jobs, status,
-  steps, final training loss, last eval loss, tokens/s, MFU, peak memory, exposed communication per step and its
-  share of the step, wall time (over every attempt);
+  steps, final training loss, last eval loss, the best evaluation (its step and its ``trainer.best_metric``),
+  tokens/s, MFU, peak memory, exposed communication per step and its share of the step, wall time (over every
+  attempt);
 - ``report.md``: the same table, best first by eval loss (then by training loss; unfinished jobs after the finished
   ones, failed and unstarted jobs last),
   and below it what the table cannot say: why a job failed, which were skipped (finished by an earlier run of the
   sweep), resumed or interrupted;
-- ``loss_curves.png`` (every job's training loss over the steps, overlaid) and ``throughput_memory.png`` (tokens/s
-  and peak memory per job).
+- ``loss_curves.png`` (every job's training loss and, beside it, its eval loss, overlaid; over the optimizer steps
+  or over the tokens trained on: ``x_axis``, ``auto`` choosing tokens when the jobs train on different numbers of
+  tokens per step, as under different accumulation) and ``throughput_memory.png`` (tokens/s and peak memory per
+  job, each bar labelled by the job's overrides).
 
 It is written after every job (the Hydra callback in ``ddptrain/sweep/callback.py``), so it exists while the sweep
 runs and after it was interrupted, and on demand: ``python -m ddptrain.report SWEEP_DIR``. The figures per job are
@@ -24,6 +27,7 @@ import argparse
 import contextlib
 import csv
 import io
+import itertools
 import math
 import re
 import sys
@@ -45,6 +49,8 @@ COLUMNS = (
     "max_steps",
     "loss",
     "eval_loss",
+    "best_step",
+    "best_value",
     "tokens_per_s",
     "mfu",
     "mem_peak_gb",
@@ -93,14 +99,34 @@ def job_row(folder: Path, record: dict[str, Any] | None) -> dict[str, Any]:
     row: dict[str, Any] = dict.fromkeys(COLUMNS)
     row |= {"job": _job_number(folder)[0], "folder": folder.name, "status": status, "notes": _notes(record, status)}
     row["curve"] = []  # (step, training loss) as logged: the loss plot's line for this job
+    row["eval_curve"], row["tokens_at"] = [], []  # (step, eval loss); (step, tokens trained on so far)
     if record is not None:
         row["wall_s"] = _wall_s(record, status)
     with contextlib.suppress(DiagnoseError):  # no metrics yet: the row keeps its status and notes
         records, evals = read_metrics(folder)
         row["curve"] = [(r["step"], _finite(r.get("loss"))) for r in records]
+        row["eval_curve"] = [(e["step"], _finite(e["eval_loss"])) for e in evals if "eval_loss" in e]
+        row["tokens_at"] = _tokens_seen(records)
         if records:
             row |= _figures(summarize(records, evals, RunSettings.load(folder)))
     return row
+
+
+def _tokens_seen(records: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, tokens trained on up to that step): each window's ``tokens`` added up, from (0, 0)."""
+    seen, total = [(0, 0.0)], 0.0
+    for r in records:
+        total += _finite(r.get("tokens")) or 0.0
+        seen.append((r["step"], total))
+    return seen
+
+
+def _at_tokens(step: float, seen: list[tuple[int, float]]) -> float:
+    """The tokens trained on by ``step``: exact at a window's end, linear in between (an eval inside a window)."""
+    for (s0, t0), (s1, t1) in itertools.pairwise(seen):
+        if step <= s1:
+            return t0 + (t1 - t0) * (step - s0) / max(s1 - s0, 1)
+    return seen[-1][1]
 
 
 def _wall_s(record: dict[str, Any], status: str) -> float | None:
@@ -116,6 +142,9 @@ def _figures(s: dict[str, Any]) -> dict[str, Any]:
         "max_steps": s["max_steps"],
         "loss": s["loss_last"],
         "eval_loss": s["eval_loss_last"],
+        "best_step": s.get("best_step"),
+        "best_value": s.get("best_value"),
+        "best_metric": s.get("best_metric"),
         "tokens_per_s": s["tokens_per_s"],
         "mfu": s.get("mfu"),
         "mem_peak_gb": s.get("mem_peak_gb"),
@@ -175,8 +204,10 @@ def sweep_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return sorted(rows, key=_rank_key)
 
 
-def write_sweep_report(sweep_dir: Path, plots: bool = True) -> list[dict[str, Any]]:
+def write_sweep_report(sweep_dir: Path, plots: bool = True, x_axis: str = "auto") -> list[dict[str, Any]]:
     """Write report.csv, report.md and (``plots``) the PNGs into the sweep folder; returns the rows, best first.
+    ``x_axis``: the loss curves over ``steps``, ``tokens`` trained on, or ``auto`` (tokens where the jobs' tokens per
+    step differ).
 
     Raises:
         FileNotFoundError: ``sweep_dir`` is not a folder.
@@ -185,7 +216,7 @@ def write_sweep_report(sweep_dir: Path, plots: bool = True) -> list[dict[str, An
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"{sweep_dir} is not a folder: pass a sweep folder (outputs/multirun/<date>_<time>).")
     rows = sweep_rows(sweep_dir)
-    written = _plot(sweep_dir, rows) if plots and rows else []
+    written = _plot(sweep_dir, rows, x_axis) if plots and rows else []
     _write_atomically(sweep_dir / CSV_FILE, _csv(rows))
     _write_atomically(sweep_dir / MARKDOWN_FILE, render_markdown(sweep_dir, rows, written))
     return rows
@@ -215,6 +246,12 @@ def _cell(value: Any, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
+def _best_cell(row: dict[str, Any]) -> str:
+    if row.get("best_step") is None or row.get("best_value") is None:
+        return "–"
+    return f"{row['best_value']:.4f} ({row['best_step']})"
+
+
 def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]], plots: list[str]) -> str:
     """The sweep report as markdown: the table best first, then the notes and the plots."""
     counts: dict[str, int] = {}
@@ -224,12 +261,13 @@ def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]], plots: list[str
         f"# Sweep report: {sweep_dir}",
         "",
         f"{len(rows)} jobs" + "".join(f", {n} {status}" for status, n in sorted(counts.items())) + ".",
-        "Best first by eval loss (then by training loss). Time in communication is the all-reduce time left exposed"
+        "Best first by eval loss (then by training loss). 'best' is the job's best evaluation by trainer.best_metric"
+        " and the step of the adapter in its best/ folder. Time in communication is the all-reduce time left exposed"
         " per optimizer step (trainer.timing=true).",
         "",
-        "| rank | job | overrides | status | steps | loss | eval loss | tokens/s | MFU | peak mem GiB | comm s/step |"
-        " wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rank | job | overrides | status | steps | loss | eval loss | best (step) | tokens/s | MFU | peak mem GiB |"
+        " comm s/step | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for place, row in enumerate(rows, 1):
         steps = "–" if row["steps"] is None else f"{row['steps']}/{row['max_steps'] or '?'}"
@@ -239,7 +277,8 @@ def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]], plots: list[str
         lines.append(
             f"| {place} | {row['job']} | {row['overrides'] or '–'} | {row['status']} | {steps}"
             f" | {_cell(row['loss'], '.4f')}"
-            f" | {_cell(row['eval_loss'], '.4f')} | {_cell(row['tokens_per_s'], ',.0f')} | {_cell(row['mfu'], '.1%')}"
+            f" | {_cell(row['eval_loss'], '.4f')} | {_best_cell(row)} | {_cell(row['tokens_per_s'], ',.0f')}"
+            f" | {_cell(row['mfu'], '.1%')}"
             f" | {_cell(row['mem_peak_gb'], '.2f')} | {comm} | {_cell(row['wall_s'], '.0f')} |"
         )
     notes = [f"- job {row['job']} (`{row['folder']}`): {note}" for row in rows for note in row["notes"]]
@@ -250,25 +289,32 @@ def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]], plots: list[str
     return "\n".join(lines) + "\n"
 
 
-def _plot(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[str]:
+X_AXES = ("auto", "steps", "tokens")
+
+
+def _plot(sweep_dir: Path, rows: list[dict[str, Any]], x_axis: str = "auto") -> list[str]:
     """loss_curves.png and throughput_memory.png; matplotlib's Agg canvas, no pyplot state."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     in_job_order = sorted(rows, key=lambda r: r["job"])
-    labels = [f"{r['job']}: {r['overrides'] or r['folder']}" for r in in_job_order]
+    labels = [r["overrides"] or r["folder"] for r in in_job_order]
+    by_tokens = x_axis == "tokens" or (x_axis == "auto" and _tokens_per_step_differ(in_job_order))
 
-    curves = Figure(figsize=(8, 4), layout="constrained")
+    curves = Figure(figsize=(11, 4), layout="constrained")
     FigureCanvasAgg(curves)
-    ax = curves.subplots()
+    train_ax, eval_ax = curves.subplots(1, 2, sharex=True)
     for row, label in zip(in_job_order, labels):
-        if row["curve"]:
-            steps, losses = zip(*row["curve"])
-            ax.plot(steps, losses, marker=".", label=label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    if ax.lines:
-        ax.legend(fontsize="small")
+        for ax, curve in ((train_ax, row["curve"]), (eval_ax, row["eval_curve"])):
+            if curve:
+                steps, losses = zip(*curve)
+                xs = [_at_tokens(step, row["tokens_at"]) for step in steps] if by_tokens else steps
+                ax.plot(xs, losses, marker=".", label=f"{row['job']}: {label}")
+    for ax, name in ((train_ax, "training loss"), (eval_ax, "eval loss")):
+        ax.set_xlabel("tokens trained on (all ranks)" if by_tokens else "optimizer step")
+        ax.set_ylabel(name)
+    if train_ax.lines or eval_ax.lines:
+        (eval_ax if eval_ax.lines else train_ax).legend(fontsize="small")
     _save(curves, sweep_dir / LOSS_PLOT)
 
     bars = Figure(figsize=(8, 5), layout="constrained")
@@ -279,9 +325,16 @@ def _plot(sweep_dir: Path, rows: list[dict[str, Any]]) -> list[str]:
     speed_ax.set_ylabel("tokens/s (all ranks)")
     memory_ax.bar(places, [r["mem_peak_gb"] or 0.0 for r in in_job_order], color="tab:purple")
     memory_ax.set_ylabel("peak memory GiB (max rank)")
-    memory_ax.set_xticks(places, [f"job {r['job']}" for r in in_job_order])
+    memory_ax.set_xticks(places, labels, rotation=20, ha="right", fontsize="small")
     _save(bars, sweep_dir / THROUGHPUT_PLOT)
     return [LOSS_PLOT, THROUGHPUT_PLOT]
+
+
+def _tokens_per_step_differ(rows: list[dict[str, Any]]) -> bool:
+    """Whether the jobs train on different numbers of tokens per optimizer step (more than 5% apart): then a step
+    of one job is not a step of another, and the curves compare over tokens."""
+    per_step = [seen[-1][1] / seen[-1][0] for r in rows if (seen := r["tokens_at"]) and seen[-1][0] > 0]
+    return len(per_step) > 1 and max(per_step) > 1.05 * min(per_step)
 
 
 def _save(figure: Any, path: Path) -> None:
@@ -295,7 +348,8 @@ def console_lines(sweep_dir: Path, rows: list[dict[str, Any]], top: int = 3) -> 
     for place, row in enumerate(rows[:top], 1):
         lines.append(
             f"  {place}. job {row['job']} {row['overrides'] or ''}: {row['status']}, loss {_cell(row['loss'], '.4f')},"
-            f" eval loss {_cell(row['eval_loss'], '.4f')}, {_cell(row['tokens_per_s'], ',.0f')} tokens/s"
+            f" eval loss {_cell(row['eval_loss'], '.4f')}, best {_best_cell(row)},"
+            f" {_cell(row['tokens_per_s'], ',.0f')} tokens/s"
         )
     failed = [r for r in rows if r["status"] == jobs.FAILED]
     if failed:
@@ -312,9 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("sweep_dir", type=Path, help="the sweep folder (outputs/multirun/<date>_<time>)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--x-axis",
+        choices=X_AXES,
+        default="auto",
+        help="the loss curves over optimizer steps, tokens trained on, or auto (tokens when the jobs' tokens per "
+        "step differ, as under different accumulation)",
+    )
     args = parser.parse_args(argv)
     try:
-        rows = write_sweep_report(args.sweep_dir, plots=not args.no_plots)
+        rows = write_sweep_report(args.sweep_dir, plots=not args.no_plots, x_axis=args.x_axis)
     except FileNotFoundError as err:
         print(f"ddptrain.report: {err}", file=sys.stderr)
         return 2

@@ -169,7 +169,8 @@ def test_merged_export_gives_the_adapter_models_logits(tmp_path, lora_model) -> 
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     tokenizer = build_tokenizer(cfg.model)
-    checkpoint.CheckpointWriter(run_dir, keep_last_n=1).save_final(lora_model, tokenizer, cfg.model, seed=0)
+    files = checkpoint.AdapterFiles(tokenizer, cfg.model, seed=0)
+    checkpoint.CheckpointWriter(run_dir, keep_last_n=1, files=files).save_final(lora_model)
     export.main([str(run_dir), str(tmp_path / "merged"), "--merge"])
     export.main([str(run_dir), str(tmp_path / "adapter")])
 
@@ -236,7 +237,7 @@ def test_a_checkpoint_of_format_1_still_resumes(tmp_path) -> None:
     train_and_save(tmp_path, [])
     folder = checkpoint.newest_complete(tmp_path / "checkpoints")
     written = json.loads((folder / checkpoint.MANIFEST).read_text())
-    assert written["format_version"] == 2 and written["data_order"]["sources"] == [], "what a checkpoint says now"
+    assert written["format_version"] == 3 and written["data_order"]["sources"] == [], "what a checkpoint says now"
     rewrite_as_format_1(folder, windows=None)
     trainer = build_trainer(tmp_path, [])
     assert trainer.step == 2 and trainer.window.steps == 0
@@ -251,7 +252,7 @@ def test_a_checkpoint_of_a_newer_format_is_refused_naming_both(tmp_path) -> None
     train_and_save(tmp_path, [])
     folder = checkpoint.newest_complete(tmp_path / "checkpoints")
     manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
-    (folder / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "format_version": 3}))
-    refused = rf"{re.escape(str(folder))} is checkpoint format 3; this ddptrain reads formats 1, 2\. Resume it"
+    (folder / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "format_version": 4}))
+    refused = rf"{re.escape(str(folder))} is checkpoint format 4; this ddptrain reads formats 1, 2, 3\. Resume it"
     with pytest.raises(RuntimeError, match=refused):
         build_trainer(tmp_path, [])

@@ -13,7 +13,7 @@ import torch
 
 from ddptrain import config, parallel
 from ddptrain.config import ConfigError, DType, Precision, TrainerConfig, resolve_precision
-from ddptrain.model import attention_cost_warning, dense_attention_overhead, warn_about_attention_cost
+from ddptrain.attention import attention_cost_warning, dense_attention_overhead, warn_about_attention_cost
 from ddptrain.observe import flops
 from ddptrain.precision import settle_precision
 from tests.conftest import compose_config
@@ -240,6 +240,6 @@ def test_the_attention_advice_walks_the_plan_only_on_a_gpu(caplog) -> None:
 
     warn_about_attention_cost(config.Attention.sdpa, torch.device("cpu"), rows)
     assert walked == []
-    with caplog.at_level(logging.WARNING, logger="ddptrain.model"):
+    with caplog.at_level(logging.WARNING, logger="ddptrain.attention"):
         warn_about_attention_cost(config.Attention.sdpa, CUDA, rows)
     assert walked == ["plan"] and "2.0x the attention scores" in caplog.text

@@ -1,0 +1,268 @@
+"""A checkpoint's files: folders written atomically, the manifest that lists every file with its SHA-256, finding
+and verifying a complete checkpoint, and loading its weights and state safely (safetensors, ``weights_only``).
+
+``checkpoint.py`` decides what a checkpoint holds and when it is written; this module knows how the files are laid
+out and read, for the checkpointer, the export and the tests alike (``checkpoint`` re-exports every name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from ddptrain.checkpoint_format import FORMAT_VERSION, VERSION_KEY, upgrade_manifest
+from ddptrain.config import ModelConfig, ModelInit
+from ddptrain.model import point_adapter_at_base, save_random_base
+
+log = logging.getLogger("ddptrain.checkpoint")
+
+MANIFEST = "manifest.json"
+STATE = "trainer_state.pt"
+WEIGHTS = "weights"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+KNOWN_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit this run."""
+
+
+# ----------------------------------------------------------------------------- writing a folder
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+
+
+def atomic_save_dir(target: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp_dir)``, fsync, then rename tmp_dir to ``target`` (replacing an older one).
+
+    If ``write`` raises, the temporary folder is removed and ``target`` is untouched.
+    """
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: Path, meta: dict[str, Any]) -> None:
+    files = {
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+    manifest = {VERSION_KEY: FORMAT_VERSION, **meta, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- what an adapter carries
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """What a saved adapter carries beside its weights, so that plain peft loads it anywhere: the tokenizer, and the
+    base model named in its ``adapter_config.json`` (``<run>/base`` for a random-init model, written at the first
+    save)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    model_cfg: ModelConfig
+    seed: int
+
+    def write(self, model: nn.Module, folder: Path, run_dir: Path, with_tokenizer: bool) -> None:
+        """The weights as ``save_pretrained`` writes them (an adapter points at its base), and the tokenizer."""
+        model.save_pretrained(folder, safe_serialization=True)
+        if self.model_cfg.lora:
+            point_adapter_at_base(folder, base_model_path(self.model_cfg, run_dir))
+        if with_tokenizer:
+            self.tokenizer.save_pretrained(folder)
+
+    def ensure_base(self, run_dir: Path) -> None:
+        """A random-init LoRA run's base, in ``<run>/base``, once: the adapters saved from it load onto it."""
+        cfg = self.model_cfg
+        if cfg.init == ModelInit.random and cfg.lora and not (run_dir / "base" / "config.json").is_file():
+            atomic_save_dir(run_dir / "base", lambda tmp: save_random_base(cfg, self.seed, self.tokenizer, tmp))
+
+
+def base_model_path(model_cfg: ModelConfig, run_dir: Path) -> str:
+    """The base a run's adapters load onto: ``<run>/base`` for a random-init model, else ``model.name_or_path``."""
+    if model_cfg.init == ModelInit.random:
+        return str((run_dir / "base").resolve())
+    return model_cfg.name_or_path
+
+
+# ----------------------------------------------------------------------------- finding and verifying
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """A checkpoint's manifest, unchecked (for a folder that ``find_checkpoint`` already verified).
+
+    Raises:
+        CheckpointError: no manifest.
+    """
+    manifest_file = folder / MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(
+            f"{folder} has no {MANIFEST}: it is incomplete (interrupted save?) or not a checkpoint. Point "
+            "trainer.resume at a complete checkpoints/step-N folder, or at the run directory (its newest complete one)."
+        )
+    return upgrade_manifest(json.loads(manifest_file.read_text()), folder)
+
+
+def verify(folder: Path) -> dict[str, Any]:
+    """The manifest of a complete checkpoint.
+
+    Raises:
+        CheckpointError: no manifest, or a listed file missing or changed.
+    """
+    manifest = read_manifest(folder)
+    for name, info in manifest["files"].items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != info["bytes"] or _sha256(path) != info["sha256"]:
+            raise CheckpointError(
+                f"{folder}: {name} is missing or differs from the manifest; the checkpoint is corrupt. Resume "
+                "from an older one (trainer.resume=<run>/checkpoints/step-N) or from the run directory, which "
+                "takes its newest complete checkpoint."
+            )
+    return manifest
+
+
+def newest_complete(checkpoints: Path) -> Path | None:
+    """The newest checkpoint under ``checkpoints`` whose manifest verifies (older ones are tried in turn)."""
+    if not checkpoints.is_dir():
+        return None
+    candidates = sorted((p for p in checkpoints.iterdir() if STEP_DIR.match(p.name)), reverse=True)
+    for folder in candidates:
+        try:
+            verify(folder)
+            return folder
+        except CheckpointError as err:
+            log.warning("skipping %s", err)
+    return None
+
+
+def find_checkpoint(resume: str, run_dir: Path) -> Path | None:
+    """Resolve ``trainer.resume``: ``none``, ``auto`` (newest in this run, if any) or a path.
+
+    A path may name a checkpoint folder or a run directory (its newest checkpoint is used).
+
+    Raises:
+        CheckpointError: a path that holds no usable checkpoint.
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return newest_complete(run_dir / "checkpoints")
+    path = Path(resume).expanduser()
+    if (path / MANIFEST).is_file():
+        verify(path)
+        return path
+    found = newest_complete(path / "checkpoints") or newest_complete(path)
+    if found is None:
+        raise CheckpointError(
+            f"trainer.resume={resume}: no complete checkpoint there. Point it at a checkpoints/step-N folder or a "
+            "run directory, or use trainer.resume=auto|none."
+        )
+    return found
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def strip_known_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the ``module.`` (DDP) and ``_orig_mod.`` (torch.compile) prefixes other tools leave in keys."""
+    clean = {}
+    for key, value in state_dict.items():
+        while key.startswith(KNOWN_PREFIXES):
+            key = key.split(".", 1)[1]
+        clean[key] = value
+    return clean
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor in the folder's safetensors files (never unpickles anything).
+
+    Raises:
+        CheckpointError: no safetensors file in the folder.
+    """
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{folder} holds no .safetensors weights: point at a checkpoint's weights/ folder or a run's adapter/ "
+            "(ddptrain writes both with safetensors)."
+        )
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return strip_known_prefixes(weights)
+
+
+def load_trainable_weights(model: nn.Module, folder: Path) -> None:
+    """Load saved trainable weights into ``model`` (a peft model, or a plain model for a full fine-tune).
+
+    Raises:
+        CheckpointError: naming missing and unexpected keys when the weights do not fit the model.
+    """
+    weights = read_weights(folder)
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, weights)
+        expected = {n for n, p in model.named_parameters() if p.requires_grad}
+        missing = sorted(expected & set(result.missing_keys))
+        unexpected = sorted(result.unexpected_keys)
+    else:
+        result = model.load_state_dict(weights, strict=False)
+        missing, unexpected = sorted(result.missing_keys), sorted(result.unexpected_keys)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{folder} does not fit this model: missing {_few(missing)}; unexpected {_few(unexpected)}. "
+            "It was saved with other model.* or model.lora_* settings: use the ones in its run's config.yaml, "
+            "or set trainer.resume=none to start over."
+        )
+
+
+def _few(keys: list[str]) -> str:
+    if not keys:
+        return "none"
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
+def load_state(folder: Path) -> dict[str, Any]:
+    """The trainer state (optimizer, schedule, scaler, position, RNG), loaded with ``weights_only=True``."""
+    return torch.load(folder / STATE, map_location="cpu", weights_only=True)

@@ -1,0 +1,121 @@
+"""Greedy completions of ``trainer.eval_prompts`` at every evaluation, into ``<run>/samples.jsonl`` and the loggers.
+
+Each rank completes its share of the prompts (prompt ``i`` on rank ``i % world_size``) with its own unwrapped model:
+no collective runs while a rank generates (DDP's forward would sync buffers; ``generate`` on the peft model syncs
+nothing), so a rank that generates longer than the others holds nobody up inside generation; one gather afterwards
+brings every completion to rank 0, which writes them (the other ranks' metrics logger is a null object).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddptrain import parallel
+from ddptrain.config import DataConfig, TrainerConfig
+from ddptrain.data.prompts import PromptRenderer, read_prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: as the user gave it (a text or a row) and the token ids it renders to."""
+
+    given: Any
+    ids: list[int]
+
+
+def complete(
+    model: nn.Module,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    device: torch.device,
+) -> list[list[int]]:
+    """The greedy continuation of each prompt (at most ``max_new_tokens`` tokens, ending at the EOS), one prompt at a
+    time (no padding to reason about). No collective: ``model`` is the unwrapped model, run on this rank alone.
+    The caller sets eval mode and the autocast."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, eos_token_id=eos_id, pad_token_id=pad_id
+    )
+    completions = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            input_ids = torch.tensor([ids], device=device)
+            attention_mask = torch.ones_like(input_ids)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            completions.append(out[0, len(ids) :].tolist())
+    return completions
+
+
+class SampleRound:
+    """The samples of one evaluation, every rank its share, gathered on rank 0.
+
+    Args:
+        prompts: the rendered prompts (``data.PromptRenderer``), the same list on every rank.
+        max_new_tokens: ``trainer.eval_max_new_tokens``.
+        tokenizer: decodes the completions (and gives the EOS and pad ids).
+        rank, world_size: this rank's share of the prompts.
+    """
+
+    def __init__(self, prompts: list[Prompt], max_new_tokens: int, tokenizer: Any, rank: int, world_size: int):
+        self.prompts, self.max_new_tokens, self.tokenizer = prompts, max_new_tokens, tokenizer
+        self.mine = list(range(rank, len(prompts), world_size))
+
+    def __call__(
+        self, model: nn.Module, step: int, autocast: Callable[[], AbstractContextManager], device: torch.device
+    ) -> tuple[list[dict[str, Any]], float]:
+        """Every prompt's completion at ``step`` (the same list on every rank, in prompt order) and the seconds this
+        rank spent generating. Every rank calls it: the gather at the end is a collective."""
+        start = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        with autocast():
+            ids = complete(
+                model,
+                [self.prompts[i].ids for i in self.mine],
+                self.max_new_tokens,
+                self.tokenizer.eos_token_id,
+                self.tokenizer.pad_token_id,
+                device,
+            )
+        model.train(was_training)
+        mine = [(i, self._row(step, i, tokens)) for i, tokens in zip(self.mine, ids)]
+        seconds = time.perf_counter() - start
+        gathered = sorted((pair for rank in parallel.all_gather_object(mine) for pair in rank), key=lambda p: p[0])
+        return [row for _, row in gathered], seconds
+
+    def _row(self, step: int, index: int, tokens: list[int]) -> dict[str, Any]:
+        eos = self.tokenizer.eos_token_id
+        ended = "eos" if eos in tokens else "max_new_tokens"
+        text = self.tokenizer.decode(tokens[: tokens.index(eos)] if eos in tokens else tokens, skip_special_tokens=True)
+        return {
+            "step": step,
+            "prompt": self.prompts[index].given,
+            "completion": text,
+            "tokens": len(tokens),
+            "ended": ended,
+        }
+
+
+def build_samples(
+    cfg: TrainerConfig, data_cfg: DataConfig, tokenizer: Any, rank: int, world_size: int
+) -> SampleRound | None:
+    """The samples of ``trainer.eval_prompts`` (None without prompts), rendered in the data group's template.
+
+    Raises:
+        ValueError: a prompt the template cannot render, or a prompts file that does not parse.
+    """
+    if cfg.eval_prompts is None:
+        return None
+    renderer = PromptRenderer(data_cfg, tokenizer)
+    prompts = [Prompt(given, renderer.ids(given)) for given in read_prompts(cfg.eval_prompts)]
+    return SampleRound(prompts, cfg.eval_max_new_tokens, tokenizer, rank, world_size)
