@@ -67,7 +67,7 @@ from ddptrain.evaluation.best import BestRule, BestTracker
 from ddptrain.evaluation.save_check import Probe, SaveCheck
 from ddptrain.parallel import DistEnv
 from ddptrain.precision import TORCH_DTYPES
-from ddptrain.rng import RNGState
+from ddptrain.rng import RNGState, rng_untouched
 
 __all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFEST``, ... as callers know them
     "KNOWN_PREFIXES",
@@ -305,6 +305,10 @@ class CheckpointWriter:
         Raises:
             Exception: whatever the write or the check raised; the previous checkpoints are untouched.
         """
+        with rng_untouched():  # the check draws as it builds models: the run goes on as without it
+            return self._save(model, state, meta)
+
+    def _save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         target = self.folder / f"step-{meta['step']:08d}"
         trained = meta["step"] > 0
         self.checked = checked = {}
@@ -381,6 +385,10 @@ class CheckpointWriter:
         """``<run>/adapter`` with the tokenizer (and a random-init base in ``<run>/base``), checked (``checked`` holds
         the record); with ``trainer.save_check=final`` the check covers ``best/`` too."""
         assert self.files is not None, "the final adapter carries the tokenizer: build the writer with files"
+        with rng_untouched():
+            self._save_final(model)
+
+    def _save_final(self, model: nn.Module) -> None:
         self.files.ensure_base(self.run_dir)
         adapter = self.run_dir / "adapter"
         self.checked = checked = {}

@@ -3,7 +3,9 @@ run draw exactly what the uninterrupted one would have (checkpoints keep them pe
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -68,3 +70,15 @@ def restore_rng(state: dict[str, Any]) -> None:
     )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+@contextlib.contextmanager
+def rng_untouched() -> Iterator[None]:
+    """Whatever the body draws, every stream continues afterwards as if it had not run. A save's check builds and
+    loads models, whose initialisation draws (and a random base is drawn from a seed): a run resumed from that
+    checkpoint must draw the same dropout masks as the run that went on from it."""
+    state = capture_rng()
+    try:
+        yield
+    finally:
+        restore_rng(state)

@@ -109,12 +109,13 @@ def build_progress_bar(
 
 
 def done_line(result: dict[str, Any], run_dir: Path) -> str:
-    """The run's last line: where the results are, the best evaluation and where its adapter is, an early stop."""
+    """The run's last lines: where the results are (or why it stopped early), then the best evaluation and where its
+    adapter is."""
     line = f"ddptrain: done. Results in {run_dir}"
     if "early_stopped" in result:
-        line = f"ddptrain: stopped early at step {result['last_step']}: {result['early_stopped']}. Results in {run_dir}"
+        line = f"ddptrain: stopped early at step {result['last_step']}: {result['early_stopped']}.\n{line}"
     if "best_step" in result:
-        where = f" is in {run_dir / 'best'}" if result["best_kept"] else " (trainer.keep_best_n=0: not kept)"
-        line += f"; the best adapter, step {result['best_step']} ({result['best_metric']} {result['best_value']:.4f}),"
-        line += where
+        where = f"in {run_dir / 'best'}" if result["best_kept"] else "not kept (trainer.keep_best_n=0)"
+        best = f"step {result['best_step']}, {result['best_metric']} {result['best_value']:.4f}"
+        line += f"\nddptrain: the best adapter ({best}) is {where}"
     return line

@@ -57,8 +57,11 @@ def test_replicas_identical_and_every_lora_param_trains(tmp_path, datasets_cache
     assert lora_b and set(lora_b) <= set(rank0["nonzero_grads"][0]), "every lora_B gets a gradient at step 1"
     within_two_steps = set(rank0["nonzero_grads"][0]) | set(rank0["nonzero_grads"][1])
     assert within_two_steps == set(rank0["trainable"]), "every LoRA parameter gets a gradient by step 2"
-    losses = [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 4 and all(loss > 0 for loss in losses)
+    checked = [r for r in records if "save_check_s" in r]  # the last checkpoint and the adapter loaded in peft
+    assert [r["step"] for r in checked] == [4, 4] and all(r["save_check_max_abs_diff"] <= 1e-5 for r in checked)
 
 
 def test_each_sample_once_per_epoch_disjoint_and_reshuffled(tmp_path, datasets_cache) -> None:

@@ -89,8 +89,10 @@ def check_training_run(run_dir: Path, result: subprocess.CompletedProcess) -> No
         assert record.keys() >= METRIC_FIELDS | BATCH_FIELDS
         assert record["tokens"] > 0 and record["tokens_per_s"] > 0
     assert train[-1]["loss"] < train[0]["loss"] - 0.3, [r["loss"] for r in train]
-    eval_loss = records[-1]["eval_loss"]
-    assert eval_loss_from_saved_adapter(run_dir) == pytest.approx(eval_loss, rel=1e-5)
+    (final_eval,) = [r for r in records if "eval_loss" in r]
+    assert eval_loss_from_saved_adapter(run_dir) == pytest.approx(final_eval["eval_loss"], rel=1e-5)
+    checked = [r for r in records if "save_check_s" in r]  # the last checkpoint, best/ and adapter/ loaded in peft
+    assert [r["step"] for r in checked] == [20, 20] and len(checked[0]["save_check_folders"]) == 2
     # trainer.precision=auto (the default) on a CPU: fp32, and the run's config and log say so.
     assert "\n  precision: fp32\n" in (run_dir / "config.yaml").read_text()
     assert "trainer.precision=auto on cpu: fp32, no autocast" in (run_dir / "train.log").read_text()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ddptrain import config, parallel
-from ddptrain.config import ConfigError, DType, Precision, TrainerConfig, resolve_precision
 from ddptrain.attention import attention_cost_warning, dense_attention_overhead, warn_about_attention_cost
+from ddptrain.config import ConfigError, DType, Precision, TrainerConfig, resolve_precision
 from ddptrain.observe import flops
 from ddptrain.precision import settle_precision
 from tests.conftest import compose_config

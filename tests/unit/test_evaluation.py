@@ -1,0 +1,228 @@
+"""The evaluation side on one process: the best tracker and early stopping, the eval batch plan, prompts rendered as
+training renders rows, the save check against corrupted adapters (alone and failing a run), and what the
+diagnosis reads of evaluations and checks."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ddptrain import checkpoint, parallel
+from ddptrain.config import DataConfig, Template
+from ddptrain.data.encode import IGNORE_INDEX, RowEncoder
+from ddptrain.data.plan import eval_batch_plan
+from ddptrain.data.prompts import PromptRenderer
+from ddptrain.diagnose import build_report
+from ddptrain.diagnose.render import render_markdown
+from ddptrain.diagnose.runs import read_metrics
+from ddptrain.evaluation.best import BestRule, BestTracker
+from ddptrain.evaluation.save_check import Probe, SaveCheck, SaveCheckError
+from ddptrain.model import build_model, build_tokenizer
+from ddptrain.trainer import Trainer
+from tests.conftest import QWEN2_TOKENIZER, compose_config, requires_shared
+from tests.unit.test_diagnose import make_run, rank_entry, record
+
+# ----------------------------------------------------------------------------- the best tracker
+
+
+def feed(tracker: BestTracker, values: list[float]) -> list[tuple[bool, bool]]:
+    """(is the best, should stop) after each evaluation, at steps 10, 20, ..."""
+    return [(tracker.observe(10 * (i + 1), {"eval_loss": v}), tracker.should_stop) for i, v in enumerate(values)]
+
+
+def test_the_best_is_any_gain_but_only_min_delta_resets_the_patience() -> None:
+    tracker = BestTracker(BestRule("eval_loss", greater_is_better=False), patience=2, min_delta=0.05)
+    seen = feed(tracker, [5.0, 4.0, 4.5, 3.9, 3.95, 3.88])
+    assert seen == [(True, False), (True, False), (False, False), (True, False), (False, False), (True, True)]
+    assert (tracker.best_step, tracker.best_value) == (60, 3.88)  # a small gain is still the best adapter
+    assert "has not improved by at least 0.05 for 2 evaluation(s)" in tracker.stop_reason()
+
+
+def test_a_diverged_evaluation_is_never_the_best_and_accuracy_counts_upwards() -> None:
+    losses = BestTracker(BestRule("eval_loss", greater_is_better=False), patience=1)
+    assert feed(losses, [2.0, math.nan]) == [(True, False), (False, True)]
+    accuracy = BestTracker(BestRule.build("eval_accuracy", None, keep_best_n=1))
+    for step, value in ((1, 0.1), (2, 0.3), (3, 0.2)):
+        accuracy.observe(step, {"eval_accuracy": value})
+    assert accuracy.best_step == 2 and accuracy.rule.greater_is_better
+
+
+def test_the_tracker_resumes_where_it_was_and_a_new_metric_starts_afresh() -> None:
+    tracker = BestTracker(BestRule("eval_loss"), patience=3)
+    feed(tracker, [3.0, 2.0, 2.5])
+    resumed = BestTracker(BestRule("eval_loss"), patience=3)
+    resumed.load_state_dict(json.loads(json.dumps(tracker.state_dict())))  # as a checkpoint keeps it
+    assert (resumed.best_step, resumed.best_value, resumed.evals_without_improvement) == (20, 2.0, 1)
+    assert resumed.evaluated_at(30) == {"eval_loss": 2.5, "step": 30} and resumed.evaluated_at(20) is None
+    other = BestTracker(BestRule("eval_accuracy", greater_is_better=True))
+    other.load_state_dict(tracker.state_dict())
+    assert other.best_step is None
+
+
+# ----------------------------------------------------------------------------- the eval batches
+
+
+def test_every_eval_row_is_on_one_rank_in_the_same_batches_whatever_the_ranks() -> None:
+    lengths = [(i * 37) % 101 + 1 for i in range(45)]  # odd-sized
+    one = eval_batch_plan(lengths, micro_batch_size=4, world_size=1)[0]
+    two = eval_batch_plan(lengths, micro_batch_size=4, world_size=2)
+    assert sorted(i for rank in two for batch in rank for i in batch) == list(range(45))
+    assert sorted(map(tuple, one)) == sorted(tuple(b) for rank in two for b in rank)  # the same batches
+    assert abs(len(two[0]) - len(two[1])) <= 1
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def first_target(ids: list[int], labels: list[int]) -> list[int]:
+    return ids[: next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)]
+
+
+def test_an_alpaca_prompt_is_the_tokens_training_puts_before_the_response() -> None:
+    cfg = compose_config([])
+    tokenizer = build_tokenizer(cfg.model)
+    renderer = PromptRenderer(cfg.data, tokenizer)
+    row = {"instruction": "Sort these numbers.", "input": "3, 1, 2", "output": "1, 2, 3"}
+    ((ids, labels, _),) = RowEncoder(cfg.data, tokenizer).encode([RowEncoder(cfg.data, tokenizer).turns(row)])
+    assert renderer.ids({"instruction": row["instruction"], "input": row["input"]}) == first_target(ids, labels)
+    plain = {"instruction": "Sort these numbers.", "input": "", "output": "x"}
+    ((ids, labels, _),) = RowEncoder(cfg.data, tokenizer).encode([RowEncoder(cfg.data, tokenizer).turns(plain)])
+    assert renderer.ids("Sort these numbers.") == first_target(ids, labels)
+
+
+@requires_shared
+def test_a_chat_prompt_ends_with_the_templates_generation_prompt() -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(QWEN2_TOKENIZER)
+    cfg = DataConfig(path="unused.jsonl", template=Template.chat)
+    row = {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]}
+    encoder = RowEncoder(cfg, tokenizer)
+    ((ids, labels, _),) = encoder.encode([encoder.turns(row)])
+    renderer = PromptRenderer(cfg, tokenizer)
+    assert renderer.ids(row) == first_target(ids, labels)  # the reply to write is left out
+    assert renderer.ids("Name a colour.") == first_target(ids, labels)
+    assert renderer.text("Name a colour.").endswith("<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------- the save check
+
+TINY = ["data.max_rows=64", "data.eval_fraction=0", "trainer.progress_bar=false", "parallel=single"]
+
+
+@pytest.fixture(scope="module")
+def trained_lora():
+    """The bundled model with LoRA, its lora_B drawn as if trained (it starts at zero), and its tokenizer."""
+    cfg = compose_config([])
+    torch.manual_seed(0)
+    module = build_model(cfg.model, seed=0, device=torch.device("cpu"))
+    for name, p in module.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(std=0.02)
+    return cfg, module.model, build_tokenizer(cfg.model)
+
+
+def saved_adapter(tmp_path: Path, trained_lora) -> tuple[Path, SaveCheck]:
+    cfg, model, tokenizer = trained_lora
+    files = checkpoint.AdapterFiles(tokenizer, cfg.model, seed=0)
+    probe = Probe.from_rows([tokenizer("Sort 3, 1, 2.").input_ids, tokenizer("Reverse: red sparrow").input_ids], 0)
+    check = SaveCheck(model, probe, torch.float32, cfg.model.attn_implementation.value)
+    writer = checkpoint.CheckpointWriter(tmp_path, keep_last_n=1, files=files, check=check)
+    folder = writer.save(model, {"step": 3}, {"step": 3, "epoch": 0, "position": 3}) / checkpoint.WEIGHTS
+    assert writer.checked["save_check_max_abs_diff"] <= 1e-5  # the check ran on the way, and passed
+    return folder, check
+
+
+def rewrite(folder: Path, change) -> None:
+    path = folder / "adapter_model.safetensors"
+    weights = load_file(str(path))
+    save_file(change(weights), str(path))
+
+
+CORRUPTIONS = {
+    "module-prefix": (lambda w: {f"module.{k}": v for k, v in w.items()}, "carry a wrapper's prefix"),
+    "zeroed-lora_B": (
+        lambda w: {
+            k: torch.zeros_like(v) if k.endswith("layers.1.mlp.down_proj.lora_B.weight") else v for k, v in w.items()
+        },
+        r"1 lora_B weight\(s\) are all zero",
+    ),
+    "dropped-key": (lambda w: dict(list(w.items())[1:]), "missing base_model"),
+    "other-weights": (lambda w: {k: v * 1.5 if "lora_B" in k else v for k, v in w.items()}, "other logits"),
+}
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_the_save_check_refuses_a_corrupted_adapter_naming_the_file(tmp_path, trained_lora, kind) -> None:
+    folder, check = saved_adapter(tmp_path, trained_lora)
+    change, message = CORRUPTIONS[kind]
+    rewrite(folder, change)
+    with pytest.raises(SaveCheckError, match=message) as refused:
+        check([(folder, folder)], trained=True)
+    assert str(folder / "adapter_model.safetensors") in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["module-prefix", "zeroed-lora_B", "dropped-key"])
+def test_a_corrupted_save_fails_the_run_and_leaves_no_checkpoint(tmp_path, monkeypatch, kind) -> None:
+    """The weights as saved are corrupted on the way to disk (as a wrapper's prefix, a lost tensor or a half-written
+    file would); the run fails at that save, naming the file, and puts no checkpoint in place."""
+    real_write = checkpoint.AdapterFiles.write
+    change = CORRUPTIONS[kind][0]
+
+    def corrupting(self, model, folder, run_dir, with_tokenizer):
+        real_write(self, model, folder, run_dir, with_tokenizer)
+        rewrite(folder, change)
+
+    monkeypatch.setattr(checkpoint.AdapterFiles, "write", corrupting)
+    cfg = compose_config([*TINY, "trainer.max_steps=2", "trainer.save_every_n_steps=1"])
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
+    try:
+        trainer = Trainer(cfg, env, tmp_path)
+        with pytest.raises(RuntimeError, match="SaveCheckError") as failed:
+            trainer.fit()
+    finally:
+        parallel.teardown()
+    assert str(tmp_path / "checkpoints" / "step-00000001" / "weights" / "adapter_model.safetensors") in str(
+        failed.value
+    )
+    assert checkpoint.newest_complete(tmp_path / "checkpoints") is None
+
+
+def test_a_best_copy_that_differs_from_its_checkpoint_is_refused(tmp_path, trained_lora) -> None:
+    """best/ is checked as its own folder: a copy that lost a tensor fails though its checkpoint passed."""
+    folder, check = saved_adapter(tmp_path, trained_lora)
+    best = tmp_path / "best"
+    shutil.copytree(folder, best)
+    rewrite(best, CORRUPTIONS["dropped-key"][0])
+    with pytest.raises(SaveCheckError, match=str(best)):
+        check([(folder, folder), (best, best)], trained=True)
+
+
+# ----------------------------------------------------------------------------- what the diagnosis reads
+
+
+def test_evaluations_and_save_checks_show_apart_from_the_steps_and_break_no_history(tmp_path) -> None:
+    ranks = [rank_entry(0), rank_entry(1)]
+    check = {"step": 10, "save_check_s": 0.5, "save_check_max_abs_diff": 0.0, "save_check_merged_max_abs_diff": 0.0}
+    evals = [
+        {"step": 10, "eval_loss": 3.0, "eval_accuracy": 0.2, "eval_s": 1.5, "samples_s": 0.25},
+        {"step": 20, "eval_loss": 2.5, "eval_accuracy": 0.3, "eval_s": 1.5, "samples_s": 0.25},
+    ]
+    records = [record(5, ranks), record(10, ranks), check, record(15, ranks), record(20, ranks)]
+    run = make_run(tmp_path / "run", records, evals=evals)
+    train, read_evals = read_metrics(run)
+    assert [r["step"] for r in train] == [5, 10, 15, 20], "a save's record between two steps is not a restart"
+    assert [e["step"] for e in read_evals] == [10, 20]
+    report = build_report(run)
+    assert report["summary"]["best_step"] == 20 and report["summary"]["best_value"] == 2.5
+    markdown = render_markdown(report)
+    assert "| evaluation | 2 | 3.00 | 1.50 |" in markdown
+    assert "| samples (trainer.eval_prompts) | 2 | 0.50 | 0.25 |" in markdown
+    assert "| save checks | 1 | 0.50 | 0.50 |" in markdown
+    assert "best eval_loss 2.5000 at step 20" in markdown
