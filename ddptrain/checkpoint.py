@@ -230,6 +230,7 @@ class Checkpointer:
             part.load_state_dict(state[name])
         for name, part in self.per_rank.items():
             part.load_state_dict(state[name][self.env.rank])
+        self.writer.adopt_best(folder.parent.parent, self.best.best_step)  # resumed into another run folder
         log.info("resumed from %s at step %d (epoch %d)", folder, state["step"], state["sampler"]["epoch"])
         return state["step"]
 
@@ -362,6 +363,25 @@ class CheckpointWriter:
         )
         return checked
 
+    def adopt_best(self, source_run: Path, best_step: int | None) -> None:
+        """A run resumed from another run's checkpoint carries that run's ``best/`` over, when it holds the best step
+        the checkpoint's tracker names: the new run's best so far is there, and stays there until an evaluation
+        beats it."""
+        source = source_run / BEST
+        if best_step is None or source.resolve() == (self.run_dir / BEST).resolve():
+            return
+        try:
+            kept = json.loads((source / BEST_FILE).read_text())["step"]
+        except (OSError, ValueError, KeyError):
+            kept = None
+        if kept != best_step:
+            log.warning(
+                "%s does not hold the best step %d: this run's best/ starts at its next best", source, best_step
+            )
+            return
+        atomic_save_dir(self.run_dir / BEST, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
+        log.info("the best so far (step %d) is carried over from %s to %s", best_step, source, self.run_dir / BEST)
+
     def _prune(self) -> None:
         """Keep the newest ``keep_last_n`` checkpoints and the best ``keep_best_n`` (by their manifests)."""
         complete = sorted(p for p in self.folder.iterdir() if STEP_DIR.match(p.name))
@@ -408,14 +428,9 @@ def _merged(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     """Two check records of one save as one: the times added, the worst differences, every folder."""
     if not first or not second:
         return first or second
-    return {
-        "save_check_s": first["save_check_s"] + second["save_check_s"],
-        "save_check_max_abs_diff": max(first["save_check_max_abs_diff"], second["save_check_max_abs_diff"]),
-        "save_check_merged_max_abs_diff": max(
-            first["save_check_merged_max_abs_diff"], second["save_check_merged_max_abs_diff"]
-        ),
-        "save_check_folders": first["save_check_folders"] + second["save_check_folders"],
-    }
+    worst = {k: max(first[k], second[k]) for k in ("save_check_max_abs_diff", "save_check_merged_max_abs_diff")}
+    both = {k: first[k] + second[k] for k in ("save_check_s", "save_check_folders")}
+    return worst | both
 
 
 class NullCheckpointWriter:
@@ -428,6 +443,9 @@ class NullCheckpointWriter:
 
     def save_final(self, model: nn.Module) -> None:
         """Rank 0 writes the final adapter; this rank waits for it (``parallel.after_rank_zero``)."""
+
+    def adopt_best(self, source_run: Path, best_step: int | None) -> None:
+        """Rank 0 carries ``best/`` over."""
 
 
 def build_writer(

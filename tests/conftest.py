@@ -65,6 +65,8 @@ BESIDE_THE_RANKS = (
     "tests/e2e/test_sweeps.py::test_a_slurm_preset_submits_the_nodes_tasks_and_gpus_of_the_job",
     # A 2-rank run that stops after planning, before any weight loads: short, and timed loosely.
     "tests/e2e/test_refusals.py::test_a_run_the_memory_plan_says_will_not_fit_stops_before_loading_weights",
+    # Two ranks that generate a few tokens each, one of them after sleeping 5 s: timed only against that sleep.
+    "tests/distributed/test_evaluation.py::test_a_rank_generates_its_samples_while_the_other_rank_is_away",
 )
 # Tests whose figures are timings: they run last of the 2-rank tests, with the other worker held still (timed_alone).
 TIMED_LAST = ("tests/distributed/test_diagnose_injected.py",)

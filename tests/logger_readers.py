@@ -36,6 +36,11 @@ def tensorboard_text(accumulator: Any, tag: str) -> str:
     return event.tensor_proto.string_val[0].decode()
 
 
+def tensorboard_texts(accumulator: Any, tag: str) -> list[tuple[int, str]]:
+    """Every text written under ``tag``, with its step."""
+    return [(e.step, e.tensor_proto.string_val[0].decode()) for e in accumulator.Tensors(f"{tag}/text_summary")]
+
+
 # ----------------------------------------------------------------------------- W&B
 
 
@@ -66,6 +71,21 @@ def wandb_series(records: list[dict[str, Any]], key: str) -> list[tuple[int, flo
     """``key`` over steps from the history records (W&B merges the rows of one step into one record)."""
     rows = [record["history"] for record in records if record["type"] == "history"]
     return [(row["step"]["num"], row["item"][key]) for row in rows if key in row["item"]]
+
+
+def wandb_tables(records: list[dict[str, Any]], key: str, run_files: Path) -> list[tuple[int, dict[str, Any]]]:
+    """The tables logged under ``key``, by step, read from the files the history rows point at (their SHA-256
+    checked): ``{"columns": [...], "data": [[...], ...]}`` each."""
+    import hashlib
+
+    tables = []
+    for record in records:
+        item = record.get("history", {}).get("item", {}) if record["type"] == "history" else {}
+        if item.get(f"{key}._type") == "table-file":
+            data = (run_files / item[f"{key}.path"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == item[f"{key}.sha256"], "the table file is not what was logged"
+            tables.append((record["history"]["step"]["num"], json.loads(data)))
+    return tables
 
 
 # ----------------------------------------------------------------------------- MLflow

@@ -123,7 +123,7 @@ class _FakeDepth:
 
     def step(self, shape: BatchShape) -> StepMemory:
         """Forward and backward of one micro-batch of ``shape``, counted (see the module's docstring)."""
-        with self.mode:
+        with self.mode, _masks_as_the_run_builds_them(shape):
             batch = _fake_batch(shape)
             # The gradients' buffers exist before the step (DDP's buckets): counted with the parameters, not here.
             for p in self.trainable:
@@ -141,7 +141,7 @@ class _FakeDepth:
 
     def forward_peak(self, shape: BatchShape) -> int:
         """The most bytes alive at once in a forward pass without gradients (evaluation)."""
-        with self.mode, torch.no_grad():
+        with self.mode, torch.no_grad(), _masks_as_the_run_builds_them(shape):
             batch = _fake_batch(shape)
             live = LiveBytes(ignore=self._parameter_storages)
             with live, self._autocast():
@@ -194,6 +194,38 @@ def _fake_loss_module(config: PretrainedConfig, cfg: ModelConfig, mode: FakeTens
     return module
 
 
+@contextlib.contextmanager
+def _masks_as_the_run_builds_them(shape: BatchShape) -> Iterator[None]:
+    """Whether the attention kernel gets a materialised mask, as the real step of ``shape`` decides it.
+
+    For SDPA, transformers skips the (rows x 1 x width x width) mask and lets the kernel apply causality itself when
+    no token is padded (``masking_utils._ignore_causal_mask_sdpa``), but it never skips for a fake tensor, which it
+    takes for a graph being traced: simulated as it is, an unpadded batch would keep that mask in every layer (at
+    10 x 2,048 tokens, 168 MB a layer that the real step never allocates). Here the fake step takes the decision the
+    real one takes: a padded batch gets its mask (the collator's mask has zeros), an unpadded one the same checks
+    transformers makes on real tensors, with no padding. Packed rows get a block mask either way (elsewhere)."""
+    try:
+        from transformers import masking_utils
+
+        decide = masking_utils._ignore_causal_mask_sdpa
+    except (ImportError, AttributeError):  # another transformers: simulate as it is
+        yield
+        return
+
+    def as_the_run(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        if shape.padded or shape.packed:
+            return False
+        return decide(
+            None, q_length, kv_length, 0, kv_offset if isinstance(kv_offset, int) else 0, local_attention_size
+        )
+
+    masking_utils._ignore_causal_mask_sdpa = as_the_run
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = decide
+
+
 def _fake_batch(shape: BatchShape) -> dict[str, torch.Tensor]:
     """What the collator hands the model for a micro-batch of ``shape``, as fake tensors (call inside the mode)."""
     size = (shape.rows, shape.width)
@@ -204,7 +236,7 @@ def _fake_batch(shape: BatchShape) -> dict[str, torch.Tensor]:
     }
     if shape.packed:
         batch["position_ids"] = torch.zeros(size, dtype=torch.long)
-    elif shape.padded:
+    else:  # the collator's mask, padded or not (whether it is materialised: _masks_as_the_run_builds_them)
         batch["attention_mask"] = torch.ones(size, dtype=torch.long)
     return batch
 

@@ -171,7 +171,11 @@ KILL_AFTER_STEP = 5
 SAVE_EVERY = 4
 RESTART_STEPS = 12
 RESTART_ARGS = [
-    *COMMON,
+    *(arg for arg in COMMON if not arg.startswith("data.eval_fraction=")),
+    # An evaluation every 2 steps: the best so far (best/, and the checkpoint kept for it) survives the restart.
+    "data.eval_fraction=0.03",
+    "trainer.eval_every_n_steps=2",
+    "trainer.keep_last_n=1",
     "data.num_workers=2",
     "data.max_rows=600",
     f"trainer.max_steps={RESTART_STEPS}",
@@ -186,6 +190,15 @@ def uninterrupted_restart_run(tmp_path_factory) -> Path:
     ref = train_in_process(tmp_path_factory.mktemp("ref") / "run", ["parallel=ddp2", *RESTART_ARGS])
     assert read_metrics(ref)[-1]["step"] == RESTART_STEPS
     return ref
+
+
+def assert_same_best(run: Path, reference: Path) -> None:
+    """The restarted run chose the best evaluation the uninterrupted one chose: the same step and loss in best/, the
+    same adapter bit for bit, and the checkpoint kept for it."""
+    named, expected = (json.loads((r / "best" / "best.json").read_text()) for r in (run, reference))
+    assert (named["step"], named["eval_loss"]) == (expected["step"], expected["eval_loss"])
+    assert_bit_identical(*(load_file(str(r / "best" / "adapter_model.safetensors")) for r in (run, reference)))
+    assert (run / "checkpoints" / f"step-{named['step']:08d}").is_dir()
 
 
 def assert_resumed_once_from_the_last_checkpoint(run: Path) -> None:
@@ -220,6 +233,7 @@ def test_killed_worker_restarts_and_ends_with_the_same_parameters(
     (run,) = run_dirs(tmp_path / "run")
     assert_bit_identical(final_weights(run), final_weights(uninterrupted_restart_run))
     assert_resumed_once_from_the_last_checkpoint(run)
+    assert_same_best(run, uninterrupted_restart_run)
 
 
 def test_only_rank_zero_writes_in_the_run_directory(tmp_path) -> None:
@@ -331,4 +345,5 @@ def test_two_torchrun_nodes_train_one_run(tmp_path, uninterrupted_restart_run) -
     assert_bit_identical(final_weights(run), final_weights(uninterrupted_restart_run))
     # Once: the first round trained undisturbed until the kill, the second resumed.
     assert_resumed_once_from_the_last_checkpoint(run)
+    assert_same_best(run, uninterrupted_restart_run)
     assert "rank 0 of 2 on cpu" in (run / "train.log").read_text(), "one group of two, across the two agents"

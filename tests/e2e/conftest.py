@@ -14,6 +14,8 @@ from tests.conftest import assert_no_process_left, run_ddptrain, run_dirs
 
 DEBUG_RUN_STEPS = 6
 DEBUG_RUN_PROFILED_STEPS = (3, 5)
+DEBUG_RUN_EVAL_EVERY = 3  # evaluations at steps 3 and 6 (the end)
+DEBUG_RUN_PROMPTS = ("Reverse the order of these words.", "Spell the word 'ocean' letter by letter.")
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,9 @@ class FinishedRun:
 @pytest.fixture(scope="session")
 def debug_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
     """One run of the default tiny job (trainer=debug: every step logged) on 2 CPU ranks through the real CLI, with
-    all three loggers (W&B offline) and the profiler on steps 3-5. test_loggers.py and test_profile_and_report.py
-    read it; a test that changes the run folder works on a copy."""
+    all three loggers (W&B offline), the profiler on steps 3-5, and an evaluation with samples of two prompts at
+    steps 3 and 6. test_loggers.py and test_profile_and_report.py read it; a test that changes the run folder works
+    on a copy."""
     out = tmp_path_factory.mktemp("debug-run")
     marker = f"debug-run-{uuid.uuid4().hex}"  # in the output folder, hence in RUN_TAG of every process
     first, last = DEBUG_RUN_PROFILED_STEPS
@@ -44,7 +47,9 @@ def debug_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
                 "logger=[tensorboard,wandb,mlflow]",
                 f"trainer.profile_steps=[{first},{last}]",
                 "trainer.progress_bar=false",
-                "data.eval_fraction=0",
+                f"trainer.eval_every_n_steps={DEBUG_RUN_EVAL_EVERY}",
+                f"trainer.eval_prompts=[{','.join(repr(p) for p in DEBUG_RUN_PROMPTS)}]",
+                "trainer.eval_max_new_tokens=8",
                 "plan.at_start=true",  # the memory plan at start, beside the measured peaks in the report
                 "parallel.timeout_s=60",
                 f"trainer.output_dir={out / marker}",

@@ -1,6 +1,6 @@
 """``logger=[tensorboard,wandb,mlflow]`` through the real CLI, W&B offline: each tool reads back the
-``loss`` series that ``metrics.jsonl`` holds and the end-of-run report that ``report.json``/``report.md`` hold,
-and rank 0 alone wrote them."""
+``loss`` series that ``metrics.jsonl`` holds, the samples of every evaluation that ``samples.jsonl`` holds, and the
+end-of-run report that ``report.json``/``report.md`` hold, and rank 0 alone wrote them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from tests import logger_readers as read
 from tests.conftest import read_metrics
-from tests.e2e.conftest import DEBUG_RUN_STEPS, FinishedRun
+from tests.e2e.conftest import DEBUG_RUN_EVAL_EVERY, DEBUG_RUN_PROMPTS, DEBUG_RUN_STEPS, FinishedRun
 
 pytestmark = pytest.mark.e2e
 STEPS = DEBUG_RUN_STEPS
@@ -73,3 +73,40 @@ def test_mlflow_loss_equals_metrics_jsonl(logged_run: Path) -> None:
     assert run.data.tags["verdict"] == report["verdict"]
     artifacts = Path(client.download_artifacts(run.info.run_id, ""))
     assert json.loads((artifacts / "report.json").read_text()) == report
+
+
+EVAL_STEPS = list(range(DEBUG_RUN_EVAL_EVERY, STEPS + 1, DEBUG_RUN_EVAL_EVERY))
+
+
+def jsonl_samples(run_dir: Path) -> dict[int, list[tuple[str, str]]]:
+    """``samples.jsonl`` by step: (prompt, completion) in prompt order."""
+    by_step: dict[int, list[tuple[str, str]]] = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step.setdefault(row["step"], []).append((row["prompt"], row["completion"]))
+    return by_step
+
+
+def test_samples_of_every_evaluation_are_in_samples_jsonl_and_in_each_logger(logged_run: Path) -> None:
+    samples = jsonl_samples(logged_run)
+    assert sorted(samples) == EVAL_STEPS, "samples at every evaluation (steps 3 and 6)"
+    for rows in samples.values():
+        assert [prompt for prompt, _ in rows] == list(DEBUG_RUN_PROMPTS)
+        assert all(completion.strip() for _, completion in rows), "greedy decoding of 8 tokens writes something"
+    evals = [r for r in read_metrics(logged_run) if "samples_s" in r]
+    assert [r["step"] for r in evals] == EVAL_STEPS and all(r["samples_s"] > 0 for r in evals)
+
+    texts = read.tensorboard_texts(read.tensorboard_run(logged_run / "tensorboard"), "samples")
+    assert [step for step, _ in texts] == EVAL_STEPS
+    for step, text in texts:  # Markdown: each line of a completion an indented code line
+        lines = [line.strip() for _, completion in samples[step] for line in completion.splitlines() if line.strip()]
+        assert all(prompt in text for prompt, _ in samples[step]) and all(line in text for line in lines)
+
+    path = read.wandb_file(logged_run)
+    tables = read.wandb_tables(read.wandb_records(path), "samples", path.parent / "files")
+    assert [(step, [tuple(row[1:]) for row in table["data"]]) for step, table in tables] == sorted(samples.items())
+
+    client, run = read.mlflow_run(read.mlflow_default_store(logged_run))
+    artifacts = Path(client.download_artifacts(run.info.run_id, "samples"))
+    logged = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in sorted(artifacts.glob("step-*.json"))}
+    assert {step: [(r["prompt"], r["completion"]) for r in v["samples"]] for step, v in logged.items()} == samples

@@ -94,3 +94,22 @@ def test_diagnose_what_if_estimates_another_scale(run_copy) -> None:
     assert "What if: parallel.nproc_per_node=8 link=nvlink" in result.stdout, result.stdout
     what_if = json.loads((run_dir / "report.json").read_text())["what_if"]
     assert what_if["nproc_per_node"] == 8 and what_if["link"] == "nvlink", what_if
+
+
+def test_evaluations_samples_and_save_checks_show_in_the_report_apart_from_the_steps(profiled_run) -> None:
+    """Two evaluations with samples (steps 3 and 6) and the saves at the end: each part's time is in report.md; the
+    saves were proven to load (a normal run passes the check: the adapter loaded in peft computes its logits)."""
+    run_dir, _ = profiled_run
+    records = read_metrics(run_dir)
+    evals = [r for r in records if "eval_s" in r]
+    checks = [r for r in records if "save_check_s" in r]
+    assert [r["step"] for r in evals] == [3, 6] and all(r["samples_s"] > 0 for r in evals)
+    # Each evaluation that improved saved a checkpoint and best/ at once; the end saved the adapter.
+    improved = [e for i, e in enumerate(evals) if all(e["eval_loss"] < b["eval_loss"] for b in evals[:i])]
+    expected = [(e["step"], ["weights", "best"]) for e in improved] + [(6, ["adapter"])]
+    assert [(r["step"], [Path(f).name for f in r["save_check_folders"]]) for r in checks] == expected
+    assert all(r["save_check_max_abs_diff"] <= 1e-5 for r in checks)
+    report = (run_dir / "report.md").read_text()
+    seconds = sum(r["eval_s"] for r in evals)
+    assert f"| evaluation | 2 | {seconds:.2f} | {seconds / 2:.2f} |" in report
+    assert "| samples (trainer.eval_prompts) | 2 |" in report and f"| save checks | {len(checks)} |" in report

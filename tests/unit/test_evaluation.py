@@ -226,3 +226,28 @@ def test_evaluations_and_save_checks_show_apart_from_the_steps_and_break_no_hist
     assert "| samples (trainer.eval_prompts) | 2 | 0.50 | 0.25 |" in markdown
     assert "| save checks | 1 | 0.50 | 0.50 |" in markdown
     assert "best eval_loss 2.5000 at step 20" in markdown
+
+
+def test_a_run_resumed_into_another_folder_keeps_the_best_it_resumed_from(tmp_path) -> None:
+    """A run resumed from another run's checkpoint (trainer.resume=<run>) starts a new folder: the best so far, its
+    step and its adapter, come along, and the early-stopping count with them."""
+    evaluated = [*TINY, "data.max_rows=96", "data.eval_fraction=0.2", "trainer.eval_every_n_steps=1"]
+    cfg = compose_config([*evaluated, "trainer.max_steps=3", "trainer.early_stopping.patience=5"])
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
+    try:
+        first = Trainer(cfg, env, tmp_path / "first")
+        first.fit()
+        resumed_cfg = compose_config([*evaluated, "trainer.max_steps=4", f"trainer.resume={tmp_path / 'first'}"])
+        resumed = Trainer(resumed_cfg, env, tmp_path / "second")
+    finally:
+        parallel.teardown()
+    named = json.loads((tmp_path / "first" / "best" / "best.json").read_text())
+    assert (resumed.step, resumed.best.best_step, resumed.best.best_value) == (3, named["step"], named["eval_loss"])
+    assert resumed.best.evals_without_improvement == first.best.evals_without_improvement
+    assert json.loads((tmp_path / "second" / "best" / "best.json").read_text()) == named
+    copied, source = (
+        load_file(str(p / "best" / "adapter_model.safetensors")) for p in (tmp_path / "second", tmp_path / "first")
+    )
+    assert all(torch.equal(copied[k], source[k]) for k in source)

@@ -1,0 +1,98 @@
+"""Entrypoints for 2-process tests of what runs around the steps: the samples' generation, which must hold no
+collective, and one real step whose peak memory each rank measures against the memory plan's prediction."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import resource
+import time
+from pathlib import Path
+
+from ddptrain import parallel
+from ddptrain.config import RunConfig
+from ddptrain.evaluation.samples import build_samples
+from ddptrain.model import build_model, build_tokenizer
+from ddptrain.observe.console import setup_logging
+from ddptrain.trainer import Trainer
+
+LATE_S = 5.0
+"""How late rank 1 comes to the samples' round: rank 0 must have generated and reached the gather by then."""
+
+
+def generate_while_the_other_rank_is_away(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """Rank 1 starts the samples' round ``LATE_S`` after rank 0; each rank records when it started and when it
+    reached the round's one collective (the gather at its end), and the rows it got back."""
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    try:
+        setup_logging(env.rank, None)
+        tokenizer = build_tokenizer(cfg.model)
+        model = build_model(cfg.model, cfg.trainer.seed, env.device, tokenizer).model
+        samples = build_samples(cfg.trainer, cfg.data, tokenizer, env.rank, env.world_size)
+        reached: list[float] = []
+        gather = parallel.all_gather_object
+
+        def timed_gather(obj):
+            reached.append(time.monotonic())
+            return gather(obj)
+
+        parallel.all_gather_object = timed_gather  # ddptrain.evaluation.samples calls it through the module
+        parallel.barrier()  # both ranks are ready: from here rank 1 stays away
+        if env.rank == 1:
+            time.sleep(LATE_S)
+        started = time.monotonic()
+        rows, seconds = samples(model, 1, contextlib.nullcontext, env.device)
+        parallel.all_gather_object = gather
+        record = {"started": started, "gathers": reached, "rows": rows, "generating_s": seconds}
+        (Path(run_dir) / f"samples-rank{env.rank}.json").write_text(json.dumps(record))
+    finally:
+        parallel.teardown()
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_resident_bytes() -> int:
+    """VmHWM: the peak resident set since the last reset (``/proc/self/clear_refs``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def train_a_step_measuring_its_memory(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """The real Trainer, planned at start (plan.at_start=true), trains one step; around it each rank resets its peak
+    resident set (``clear_refs`` 5) and reads what the step added. Writes ``memory-rank{N}.json``: the increase, the
+    plan's prediction for this rank (as the allocator counts it) and the weights' bytes, counted on the real model."""
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    try:
+        setup_logging(env.rank, None)
+        trainer = Trainer(cfg, env, Path(run_dir))
+        measured: dict[str, int] = {}
+        real_step = trainer.train_step
+
+        def measured_step(micro_batches, **kwargs):
+            gc.collect()
+            Path("/proc/self/clear_refs").write_text("5")
+            before = resident_bytes()
+            result = real_step(micro_batches, **kwargs)
+            measured.update(before=before, peak=peak_resident_bytes())
+            measured["padded"] = sum(b["input_ids"].numel() for b in micro_batches)
+            measured["tokens"] = sum(int(b["attention_mask"].sum()) for b in micro_batches)
+            return result
+
+        trainer.train_step = measured_step
+        trainer.fit()
+        weights = sum(p.numel() * p.element_size() for p in trainer.loss_module.parameters())
+        record = {
+            **measured,
+            "increase": measured["peak"] - measured["before"],
+            "predicted_allocated_gb": trainer.memory_plan.allocated_gb[env.rank],
+            "weights": weights,
+        }
+        (Path(run_dir) / f"memory-rank{env.rank}.json").write_text(json.dumps(record))
+    finally:
+        parallel.teardown()
