@@ -9,7 +9,7 @@ TORCH_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-quick lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data bench-chat-tokenize bench-memory-plan gpu-check clean
+.PHONY: setup train test test-quick lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data bench-chat-tokenize bench-memory-plan bench-evaluation gpu-check clean
 
 setup: $(STAMP)
 
@@ -80,6 +80,9 @@ bench-chat-tokenize: setup  ## conversations: the tokenizer's chat template agai
 bench-memory-plan: setup  ## the memory plan: Qwen2.5-7B / 0.5B predictions, and predicted vs measured on this CPU
 	$(BIN)/python -m ddptrain.bench.memory_plan
 	$(BIN)/python -m ddptrain.bench.memory_plan --cpu-check
+
+bench-evaluation: setup  ## eval on 1 rank vs 2 (the same loss), and what the save check costs
+	$(BIN)/python -m ddptrain.bench.evaluation --data ../shared/data/alpaca/alpaca_data_52k.jsonl
 
 gpu-check: setup  ## on a GPU machine: tests/gpu + the GPU throughput benchmark, one table (< 10 min)
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)

@@ -56,21 +56,18 @@ def long_text_rows(path: Path, rows: int, words: tuple[int, int]) -> Path:
     return path
 
 
-def test_the_plan_predicts_the_peak_a_step_adds_on_each_rank_within_15_percent(tmp_path, monkeypatch) -> None:
+def test_the_plan_predicts_the_peak_a_step_adds_on_each_rank_within_15_percent(tmp_path) -> None:
     """A 2-rank run of 14 rows of up to 2,048 tokens per micro-batch (padded: a mask in every layer), whose
     activations dominate (over 1 GiB per rank): each rank's plan, made at start from the real data through the real
     sampler, predicts within 15% the peak resident memory its first step adds (the costliest, data.costliest_first;
-    measured with the peak reset right before the step). Spawned ranks with MALLOC_MMAP_THRESHOLD_ set: glibc then
-    hands freed memory back, so the resident set follows what is alive (glibc's default keeps freed blocks: 30-100%
-    above, bench/README.md)."""
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    measured with the peak reset right before the step), each rank handing freed memory back to the system
+    (``workers_evaluation.hand_freed_memory_back``) so that its resident set follows what is alive."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     rows = long_text_rows(tmp_path / "long.jsonl", rows=56, words=(600, 1300))
     cfg = compose_config(
         [
             "parallel=ddp2",
-            "parallel.start_method=spawn",  # a forkserver's children inherit its allocator, started without the setting
             "parallel.timeout_s=120",
             f"data.path={rows}",
             "data.template=text",

@@ -4,6 +4,8 @@ collective, and one real step whose peak memory each rank measures against the m
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import gc
 import json
 import resource
@@ -63,10 +65,23 @@ def peak_resident_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def hand_freed_memory_back() -> None:
+    """Every block of 64 KiB or more is mmapped, and unmapped when freed (glibc's ``mallopt``, as
+    ``MALLOC_MMAP_THRESHOLD_=65536`` sets it at start): the resident set then follows what is alive. glibc's default
+    keeps freed blocks for reuse, raising its threshold as large blocks are freed (30-100% above, bench/README.md)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if libc.mallopt(M_MMAP_THRESHOLD, 65536) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: not glibc?")
+
+
 def train_a_step_measuring_its_memory(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
     """The real Trainer, planned at start (plan.at_start=true), trains one step; around it each rank resets its peak
     resident set (``clear_refs`` 5) and reads what the step added. Writes ``memory-rank{N}.json``: the increase, the
     plan's prediction for this rank (as the allocator counts it) and the weights' bytes, counted on the real model."""
+    hand_freed_memory_back()
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
     try:
         setup_logging(env.rank, None)

@@ -142,3 +142,13 @@ def test_the_sweep_benchmarks_build_commands_that_compose(bench, monkeypatch, ca
     bench.main(["--repeats", "1", "--steps", "1"])
     table = table_rows(capsys.readouterr().out)
     assert len(timed) == (4 if bench is startup else 2) and len(table) == 2, (timed, table)
+
+
+def test_the_evaluation_benchmark_times_a_save_with_and_without_its_check(capsys) -> None:
+    from ddptrain.bench import evaluation
+
+    evaluation.main(["--save-check-only", "--models", "tiny_qwen2", "--repeats", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny_qwen2 |")]
+    assert len(rows) == 1
+    save, with_check, check = (float(cell) for cell in rows[0].strip("|").split("|")[1:])
+    assert save > 0 and check > 0 and with_check > save

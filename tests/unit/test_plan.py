@@ -42,8 +42,9 @@ def tiny_llama(folder) -> str:
 
 
 def real_batch(shape: BatchShape) -> dict[str, torch.Tensor]:
-    """Tensors as the collator builds them: padded rows (every row after the first half as long), or one packed row
-    of four samples; ``shape.targets`` positions trained."""
+    """Tensors as the collator builds them: padded rows (every row after the first half as long), rows all as long
+    as the width (``padded=False``: the mask is all ones), or one packed row of four samples; ``shape.targets``
+    positions trained."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 4000, (shape.rows, shape.width), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -52,7 +53,8 @@ def real_batch(shape: BatchShape) -> dict[str, torch.Tensor]:
         batch["position_ids"] = torch.arange(shape.width).remainder(quarter)[None]
     else:
         mask = torch.ones(shape.rows, shape.width, dtype=torch.long)
-        mask[1:, shape.width // 2 :] = 0
+        if shape.padded:
+            mask[1:, shape.width // 2 :] = 0
         batch["attention_mask"] = mask
     batch["target_index"] = torch.randperm(shape.rows * (shape.width - 1), generator=g)[: shape.targets].sort().values
     return batch
@@ -79,6 +81,8 @@ SHAPES = [
     BatchShape(rows=8, width=64, targets=200),
     BatchShape(rows=2, width=384, targets=300),
     BatchShape(rows=1, width=512, targets=400, padded=False, packed=True),
+    # No padding: SDPA applies causality itself and no (rows x width x width) mask exists in any layer.
+    BatchShape(rows=4, width=256, targets=300, padded=False),
 ]
 
 

@@ -1,0 +1,169 @@
+"""What evaluating and proving a save cost: eval on 1 rank against 2 ranks, and the save check against the save.
+
+    python -m ddptrain.bench.evaluation --data ../shared/data/alpaca/alpaca_data_52k.jsonl
+    python -m ddptrain.bench.evaluation --save-check-only
+
+Eval: the bundled tiny model on an eval split of ``--eval-rows`` rows (odd), evaluated by the product's
+``evaluation.metrics.evaluate`` in a 1-rank and a 2-rank group, interleaved ``--repeats`` times (one thread per rank,
+as CPU runs here use); each timing is the fastest of ``--passes`` passes over the split, after one warm-up pass.
+It prints both times, their ratio and the two eval losses (they must agree to 1e-6: the same batches, summed in
+float64).
+
+Save check: a LoRA adapter (r 16, every linear) of the bundled tiny model and of Qwen2.5-0.5B (random weights from
+its architecture config) saved as a checkpoint with and without ``trainer.save_check``, and the check alone;
+the fastest of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ddptrain.config import RunConfig
+
+EVAL_FILE = "eval-times.json"
+
+
+def time_evaluations(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """Worker: build the run (no training), evaluate ``passes`` times; rank 0 writes the times and the loss."""
+    from ddptrain import parallel
+    from ddptrain.evaluation.metrics import evaluate
+    from ddptrain.trainer import Trainer
+
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    try:
+        trainer = Trainer(cfg, env, Path(run_dir))
+        passes = int(os.environ["DDPTRAIN_BENCH_PASSES"])
+        times, metrics = [], {}
+        for _ in range(passes + 1):  # the first pass warms up
+            parallel.barrier()
+            start = time.perf_counter()
+            metrics = evaluate(trainer.loss_module, trainer.data.eval_batches(), trainer.autocast, env.device)
+            times.append(time.perf_counter() - start)
+        if env.is_rank_zero:
+            record = {"seconds": min(times[1:]), "eval_loss": metrics["eval_loss"], "rows": len(trainer.data.eval)}
+            (Path(run_dir) / EVAL_FILE).write_text(json.dumps(record))
+    finally:
+        parallel.teardown()
+
+
+def eval_config(data: str | None, ranks: int, eval_rows: int, output: Path) -> RunConfig:
+    from hydra import compose, initialize_config_dir
+
+    from ddptrain.__main__ import CONF_DIR
+    from ddptrain.config import register_configs, to_run_config
+
+    rows = 4 * eval_rows + 1
+    overrides = [
+        f"parallel.nproc_per_node={ranks}",
+        "parallel.start_method=forkserver",
+        "trainer.device=cpu",
+        "trainer.progress_bar=false",
+        "trainer.resume=none",
+        f"trainer.output_dir={output}",
+        f"data.max_rows={rows}",
+        f"data.eval_fraction={eval_rows / rows}",
+    ]
+    if data:
+        overrides += ["data=alpaca", f"data.path={data}"]
+    register_configs()
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        return to_run_config(compose("train", overrides=overrides))
+
+
+def bench_eval(args: argparse.Namespace) -> None:
+    from ddptrain.launch import launch
+
+    os.environ["DDPTRAIN_BENCH_PASSES"] = str(args.passes)
+    results: dict[int, list[dict]] = {1: [], 2: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for ranks in (1, 2):
+                run_dir = Path(tmp) / f"r{repeat}-{ranks}"
+                run_dir.mkdir()
+                launch(eval_config(args.data, ranks, args.eval_rows, Path(tmp)), run_dir, entrypoint=time_evaluations)
+                results[ranks].append(json.loads((run_dir / EVAL_FILE).read_text()))
+    one, two = (min(r["seconds"] for r in results[n]) for n in (1, 2))
+    losses = {n: results[n][0]["eval_loss"] for n in (1, 2)}
+    print(f"eval split: {results[1][0]['rows']} rows ({'Alpaca' if args.data else 'bundled tiny_instruct'})")
+    print("| ranks | eval s (fastest) | eval loss |")
+    print("|---:|---:|---:|")
+    for n in (1, 2):
+        print(f"| {n} | {min(r['seconds'] for r in results[n]):.3f} | {losses[n]:.10f} |")
+    print(f"2 ranks / 1 rank: {two / one:.2f}x; |eval loss difference| {abs(losses[1] - losses[2]):.2e}")
+
+
+def bench_save_check(model: str, repeats: int) -> dict[str, float]:
+    """Seconds to save a checkpoint without and with the check, and of the check alone (fastest of ``repeats``)."""
+    from hydra import compose, initialize_config_dir
+
+    from ddptrain import checkpoint
+    from ddptrain.__main__ import CONF_DIR
+    from ddptrain.config import register_configs, to_run_config
+    from ddptrain.evaluation.save_check import Probe, SaveCheck
+    from ddptrain.model import build_model, build_tokenizer
+    from ddptrain.precision import TORCH_DTYPES
+
+    overrides = [f"model={model}", "trainer.device=cpu"]
+    if model != "tiny_qwen2":
+        overrides += ["model.init=random", "model.tokenizer=${asset:tiny_tokenizer}"]
+    register_configs()
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        cfg = to_run_config(compose("train", overrides=overrides))
+    torch.manual_seed(0)
+    module = build_model(cfg.model, seed=0, device=torch.device("cpu"))
+    for name, p in module.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(std=0.02)
+    tokenizer = build_tokenizer(cfg.model)
+    probe = Probe.from_rows([tokenizer("Sort 3, 1, 2.").input_ids, tokenizer("Reverse: red sparrow").input_ids], 0)
+    check = SaveCheck(module.model, probe, TORCH_DTYPES[cfg.model.dtype], cfg.model.attn_implementation.value)
+    files = checkpoint.AdapterFiles(tokenizer, cfg.model, seed=0)
+    timings: dict[str, list[float]] = {"save": [], "save with the check": [], "the check alone": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = checkpoint.CheckpointWriter(Path(tmp), keep_last_n=1, files=files)
+        checked = checkpoint.CheckpointWriter(Path(tmp), keep_last_n=1, files=files, check=check)
+        meta = {"epoch": 0, "position": 0}
+        plain.save(module.model, {"step": 0}, {"step": 0, **meta})  # writes the random base once, outside the timing
+        for step in range(1, repeats + 1):
+            for name, writer in (("save", plain), ("save with the check", checked)):
+                start = time.perf_counter()
+                folder = writer.save(module.model, {"step": step}, {"step": step, **meta})
+                timings[name].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            check([(folder / checkpoint.WEIGHTS, folder / checkpoint.WEIGHTS)], trained=True)
+            timings["the check alone"].append(time.perf_counter() - start)
+    return {name: min(values) for name, values in timings.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ddptrain.bench.evaluation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", help="an Alpaca-style .jsonl (default: the bundled tiny_instruct rows)")
+    parser.add_argument("--eval-rows", type=int, default=401)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--save-check-only", action="store_true")
+    parser.add_argument("--models", nargs="+", default=["tiny_qwen2", "qwen2_5_0_5b_lora"])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if not args.save_check_only:
+        bench_eval(args)
+    print("| model | save s | save with the check s | the check alone s |")
+    print("|---|---:|---:|---:|")
+    for model in args.models:
+        with contextlib.redirect_stderr(open(os.devnull, "w")):
+            found = bench_save_check(model, args.repeats)
+        print(
+            f"| {model} | {found['save']:.3f} | {found['save with the check']:.3f} | {found['the check alone']:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
