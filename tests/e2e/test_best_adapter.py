@@ -95,7 +95,8 @@ def test_the_run_stops_when_eval_stops_improving_keeping_the_best_adapter(early_
 
 def test_the_best_adapter_evaluated_on_one_rank_gives_the_loss_two_ranks_logged(early_stopped) -> None:
     """The eval split (41 rows) cut for one rank and for two holds the same batches: the eval loss of the best
-    adapter, loaded with plain peft and evaluated here on one rank, equals what the 2-rank run logged at its step."""
+    adapter, loaded with plain peft and evaluated here on one rank, equals what the 2-rank run logged at its step,
+    and so best/ holds that step's adapter."""
     run_dir, _ = early_stopped
     named = json.loads((run_dir / "best" / "best.json").read_text())
     cfg = compose_config([*DATA, "parallel=single"])
@@ -115,4 +116,6 @@ def test_the_best_adapter_evaluated_on_one_rank_gives_the_loss_two_ranks_logged(
     finally:
         parallel.teardown()
     assert one_rank["eval_tokens"] == named["eval_tokens"]
-    assert abs(one_rank["eval_loss"] - named["eval_loss"]) <= 1e-6, (one_rank["eval_loss"], named["eval_loss"])
+    # The issue asks 1e-6; the same batches summed in float64 give float64 rounding (a rank's own shard of rows,
+    # cut into batches, differed by 9e-8 here).
+    assert abs(one_rank["eval_loss"] - named["eval_loss"]) <= 1e-12, (one_rank["eval_loss"], named["eval_loss"])

@@ -217,7 +217,8 @@ def test_evaluations_and_save_checks_show_apart_from_the_steps_and_break_no_hist
     records = [record(5, ranks), record(10, ranks), check, record(15, ranks), record(20, ranks)]
     run = make_run(tmp_path / "run", records, evals=evals)
     train, read_evals = read_metrics(run)
-    assert [r["step"] for r in train] == [5, 10, 15, 20], "a save's record between two steps is not a restart"
+    assert [r["step"] for r in train] == [5, 10, 15, 20] and all("loss" in r for r in train)
+    assert [r["first_window"] for r in train] == [True, False, False, False], "a save's record is not a restart"
     assert [e["step"] for e in read_evals] == [10, 20]
     report = build_report(run)
     assert report["summary"]["best_step"] == 20 and report["summary"]["best_value"] == 2.5
