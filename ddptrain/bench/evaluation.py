@@ -48,7 +48,8 @@ def time_evaluations(cfg: RunConfig, run_dir: str, store_port: int | None) -> No
             metrics = evaluate(trainer.loss_module, trainer.data.eval_batches(), trainer.autocast, env.device)
             times.append(time.perf_counter() - start)
         if env.is_rank_zero:
-            record = {"seconds": min(times[1:]), "eval_loss": metrics["eval_loss"], "rows": len(trainer.data.eval)}
+            lengths = [int(n) for n in trainer.data.eval["length"]]
+            record = {"seconds": min(times[1:]), "eval_loss": metrics["eval_loss"], "lengths": lengths}
             (Path(run_dir) / EVAL_FILE).write_text(json.dumps(record))
     finally:
         parallel.teardown()
@@ -79,6 +80,7 @@ def eval_config(data: str | None, ranks: int, eval_rows: int, output: Path) -> R
 
 
 def bench_eval(args: argparse.Namespace) -> None:
+    from ddptrain.data.plan import eval_batch_plan
     from ddptrain.launch import launch
 
     os.environ["DDPTRAIN_BENCH_PASSES"] = str(args.passes)
@@ -92,12 +94,21 @@ def bench_eval(args: argparse.Namespace) -> None:
                 results[ranks].append(json.loads((run_dir / EVAL_FILE).read_text()))
     one, two = (min(r["seconds"] for r in results[n]) for n in (1, 2))
     losses = {n: results[n][0]["eval_loss"] for n in (1, 2)}
-    print(f"eval split: {results[1][0]['rows']} rows ({'Alpaca' if args.data else 'bundled tiny_instruct'})")
+    lengths = results[1][0]["lengths"]
+    print(f"eval split: {len(lengths)} rows ({'Alpaca' if args.data else 'bundled tiny_instruct'})")
+    print(f"padded tokens per rank: {padded_per_rank(lengths, 8, eval_batch_plan(lengths, 8, 2))} as planned;")
+    dealt = eval_batch_plan(lengths, 8, 1)[0]
+    dealt = sorted(dealt, key=lambda b: lengths[b[-1]])
+    print(f"  {padded_per_rank(lengths, 8, [dealt[0::2], dealt[1::2]])} dealt round-robin by length")
     print("| ranks | eval s (fastest) | eval loss |")
     print("|---:|---:|---:|")
     for n in (1, 2):
         print(f"| {n} | {min(r['seconds'] for r in results[n]):.3f} | {losses[n]:.10f} |")
     print(f"2 ranks / 1 rank: {two / one:.2f}x; |eval loss difference| {abs(losses[1] - losses[2]):.2e}")
+
+
+def padded_per_rank(lengths: list[int], micro_batch_size: int, plan: list[list[list[int]]]) -> list[int]:
+    return [sum(len(b) * max(lengths[i] for i in b) for b in batches) for batches in plan]
 
 
 def bench_save_check(model: str, repeats: int) -> dict[str, float]:

@@ -105,3 +105,43 @@ def test_the_command_writes_the_same_report(tmp_path, capsys) -> None:
     assert {name: (tmp_path / name).read_text() for name in written} == written
     assert "1. job 1 optim.lr=0.002: finished, loss 1.5000, eval loss 1.4000" in capsys.readouterr().out
     assert main([str(tmp_path / "nowhere")]) == 2
+
+
+def job_with_evals(sweep: Path, num: int, accum: int, eval_losses: list[float]) -> None:
+    """A job of ``optim.grad_accum_steps=accum``: ``accum`` times the tokens per step, an eval every 2 steps."""
+    folder = sweep / f"{num}_optim.grad_accum_steps={accum}"
+    (folder / ".hydra").mkdir(parents=True)
+    jobs.write_record(folder, {"num": num, "overrides": [f"optim.grad_accum_steps={accum}"], "status": "finished"})
+    lines = []
+    for i, eval_loss in enumerate(eval_losses, 1):
+        step = 2 * i
+        lines.append(
+            {"step": step, "loss": 3.0 - i / 10, "tokens": 2000 * accum, "window_steps": 2, "tokens_per_s": 1e3}
+        )
+        lines.append({"step": step, "eval_loss": eval_loss, "eval_tokens": 10})
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_the_report_compares_eval_curves_over_tokens_names_each_best_and_labels_bars_by_overrides(
+    tmp_path, monkeypatch
+) -> None:
+    job_with_evals(tmp_path, 0, accum=1, eval_losses=[2.5, 2.2, 2.4])
+    job_with_evals(tmp_path, 1, accum=4, eval_losses=[2.3, 2.1, 2.0])
+    drawn = {}
+
+    def keep(figure, path):  # the figures as drawn, instead of their PNGs
+        drawn[path.name] = figure
+
+    monkeypatch.setattr("ddptrain.sweep.report._save", keep)
+    rows = write_sweep_report(tmp_path)
+    assert [(r["job"], r["best_step"], r["best_value"]) for r in rows] == [(1, 6, 2.0), (0, 4, 2.2)]
+    assert "| 2.2000 (4) |" in (tmp_path / "report.md").read_text()
+    train_ax, eval_ax = drawn["loss_curves.png"].axes
+    assert eval_ax.get_ylabel() == "eval loss" and train_ax.get_xlabel().startswith("tokens trained on")
+    # Over tokens: job 1 trains 4x the tokens per step, so its eval at step 6 sits at 4x job 0's.
+    ends = {line.get_label(): line.get_xdata()[-1] for line in eval_ax.lines}
+    assert ends == {"0: optim.grad_accum_steps=1": 6000, "1: optim.grad_accum_steps=4": 24000}
+    bars = drawn["throughput_memory.png"].axes[1]
+    assert [t.get_text() for t in bars.get_xticklabels()] == ["optim.grad_accum_steps=1", "optim.grad_accum_steps=4"]
+    write_sweep_report(tmp_path, x_axis="steps")
+    assert drawn["loss_curves.png"].axes[1].lines[0].get_xdata()[-1] == 6
