@@ -188,7 +188,7 @@ class Checkpointer:
         except Exception as err:
             previous = newest_complete(self.run_dir / "checkpoints")
             raise RuntimeError(
-                f"saving the checkpoint of step {step} failed: {type(err).__name__}: {err}. "
+                f"saving the checkpoint of step {step} failed: {type(err).__name__}: {str(err).rstrip('.')}. "
                 f"The previous checkpoint is intact: {previous or 'none yet'}. {_fix_for(err, self.run_dir)}"
             ) from err
 

@@ -158,7 +158,7 @@ class SaveCheck:
             raise SaveCheckError(
                 f"{shown / ADAPTER_FILE}: {how} with plain peft, it computes other logits than the training model: "
                 f"max |difference| {diff:.3g} on the probe batch, over the bound {bound:.3g} ({self.dtype}). "
-                "The saved adapter is not the trained one"
+                "The saved adapter is not the trained one."
             )
         return diff
 
