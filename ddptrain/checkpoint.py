@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import shutil
 from functools import partial
 from pathlib import Path
@@ -41,6 +42,8 @@ from torch import nn
 
 from ddptrain import parallel
 from ddptrain.checkpoint_files import (
+    BEST,
+    BEST_FILE,
     KNOWN_PREFIXES,
     MANIFEST,
     STATE,
@@ -48,10 +51,12 @@ from ddptrain.checkpoint_files import (
     WEIGHTS,
     AdapterFiles,
     CheckpointError,
+    _merged,
     _sha256,
     _write_manifest,
     atomic_save_dir,
     base_model_path,
+    best_step_in,
     find_checkpoint,
     load_state,
     load_trainable_weights,
@@ -70,6 +75,8 @@ from ddptrain.precision import TORCH_DTYPES
 from ddptrain.rng import RNGState, rng_untouched
 
 __all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFEST``, ... as callers know them
+    "BEST",
+    "BEST_FILE",
     "KNOWN_PREFIXES",
     "MANIFEST",
     "STATE",
@@ -84,6 +91,7 @@ __all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFES
     "_write_manifest",
     "atomic_save_dir",
     "base_model_path",
+    "best_step_in",
     "build_checkpointer",
     "build_writer",
     "check_same_data_order",
@@ -98,8 +106,6 @@ __all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFES
 ]
 
 log = logging.getLogger(__name__)
-BEST, BEST_FILE = "best", "best.json"
-"""``<run>/best/``: the best checkpoint's adapter (``trainer.best_metric``), and the file naming its step."""
 
 
 class Stateful(Protocol):
@@ -230,7 +236,8 @@ class Checkpointer:
             part.load_state_dict(state[name])
         for name, part in self.per_rank.items():
             part.load_state_dict(state[name][self.env.rank])
-        self.writer.adopt_best(folder.parent.parent, self.best.best_step)  # resumed into another run folder
+        adopt = partial(self.writer.adopt_best, folder.parent.parent, self.best.best_step)
+        parallel.after_rank_zero(adopt, "carry best/ over", self.save_timeout_s, "trainer.save_timeout_s")
         log.info("resumed from %s at step %d (epoch %d)", folder, state["step"], state["sampler"]["epoch"])
         return state["step"]
 
@@ -311,7 +318,6 @@ class CheckpointWriter:
 
     def _save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         target = self.folder / f"step-{meta['step']:08d}"
-        trained = meta["step"] > 0
         self.checked = checked = {}
         if self.files is not None:
             self.files.ensure_base(self.run_dir)
@@ -319,7 +325,7 @@ class CheckpointWriter:
         def write(tmp: Path) -> None:
             self._write_weights(model, tmp / WEIGHTS, with_tokenizer=False)
             if self.check is not None and self.check_every:
-                checked.update(self.check([(tmp / WEIGHTS, target / WEIGHTS)], trained))
+                checked.update(self.check([(tmp / WEIGHTS, target / WEIGHTS)]))
             torch.save(state, tmp / STATE)
             _write_manifest(tmp, meta)
 
@@ -329,7 +335,7 @@ class CheckpointWriter:
         latest_tmp.replace(self.folder / "latest")
         log.info("saved checkpoint %s", target)
         if meta.get("best") and self.rule is not None and self.rule.keep_best_n > 0:
-            self.checked = _merged(checked, self._save_best(target, meta, trained))
+            self.checked = _merged(checked, self._save_best(target, meta))
         self._prune()
         return target
 
@@ -339,7 +345,7 @@ class CheckpointWriter:
         else:
             self.files.write(model, folder, self.run_dir, with_tokenizer)
 
-    def _save_best(self, checkpoint: Path, meta: dict[str, Any], trained: bool) -> dict[str, Any]:
+    def _save_best(self, checkpoint: Path, meta: dict[str, Any]) -> dict[str, Any]:
         """``<run>/best``: the checkpoint's adapter, the tokenizer and ``best.json`` (its step and metrics)."""
         best, checked = self.run_dir / BEST, {}
 
@@ -351,36 +357,38 @@ class CheckpointWriter:
             about = {**meta["eval"], "step": meta["step"], "metric": self.rule.metric, "checkpoint": str(checkpoint)}
             (tmp / BEST_FILE).write_text(json.dumps(about, indent=2) + "\n")
             if self.check is not None and self.check_every:
-                checked.update(self.check([(tmp, best)], trained))
+                checked.update(self.check([(tmp, best)]))
 
         atomic_save_dir(best, write)
         log.info(
             "step %d is the best so far (%s %.4f): its adapter is in %s",
             meta["step"],
             self.rule.metric,
-            meta["eval"][self.rule.metric],
+            meta["eval"].get(self.rule.metric, math.nan),
             best,
         )
         return checked
 
     def adopt_best(self, source_run: Path, best_step: int | None) -> None:
-        """A run resumed from another run's checkpoint carries that run's ``best/`` over, when it holds the best step
-        the checkpoint's tracker names: the new run's best so far is there, and stays there until an evaluation
-        beats it."""
-        source = source_run / BEST
-        if best_step is None or source.resolve() == (self.run_dir / BEST).resolve():
+        """Make ``best/`` hold the best step the resumed checkpoint's tracker names: from the resumed run's ``best/``
+        when it holds that step (a run resumed into a new folder), else from that run's checkpoint of the step (a save
+        cut short between the checkpoint and ``best/``); else leave it, and say so."""
+        if best_step is None or self.rule is None or self.rule.keep_best_n == 0:
             return
-        try:
-            kept = json.loads((source / BEST_FILE).read_text())["step"]
-        except (OSError, ValueError, KeyError):
-            kept = None
-        if kept != best_step:
+        target, source = self.run_dir / BEST, source_run / BEST
+        kept = source_run / "checkpoints" / f"step-{best_step:08d}"
+        if best_step_in(self.run_dir) == best_step:
+            return
+        if best_step_in(source_run) == best_step:
+            atomic_save_dir(target, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
+        elif (kept / MANIFEST).is_file():
+            self._save_best(kept, {"step": best_step, "eval": read_manifest(kept).get("eval") or {}})
+        else:
             log.warning(
-                "%s does not hold the best step %d: this run's best/ starts at its next best", source, best_step
+                "neither %s nor %s holds the best step %d: best/ waits for the next best", source, kept, best_step
             )
             return
-        atomic_save_dir(self.run_dir / BEST, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
-        log.info("the best so far (step %d) is carried over from %s to %s", best_step, source, self.run_dir / BEST)
+        log.info("the best so far (step %d) is in %s, as when the run stopped", best_step, target)
 
     def _prune(self) -> None:
         """Keep the newest ``keep_last_n`` checkpoints and the best ``keep_best_n`` (by their manifests)."""
@@ -418,19 +426,10 @@ class CheckpointWriter:
             if self.check is not None:
                 best = self.run_dir / BEST
                 also_best = [(best, best)] if not self.check_every and (best / BEST_FILE).is_file() else []
-                checked.update(self.check([(tmp, adapter), *also_best], trained=True))
+                checked.update(self.check([(tmp, adapter), *also_best]))
 
         atomic_save_dir(adapter, write)
         log.info("saved the final weights to %s", adapter)
-
-
-def _merged(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """Two check records of one save as one: the times added, the worst differences, every folder."""
-    if not first or not second:
-        return first or second
-    worst = {k: max(first[k], second[k]) for k in ("save_check_max_abs_diff", "save_check_merged_max_abs_diff")}
-    both = {k: first[k] + second[k] for k in ("save_check_s", "save_check_folders")}
-    return worst | both
 
 
 class NullCheckpointWriter:
@@ -475,7 +474,9 @@ def build_checkpointer(
     if env.is_rank_zero and cfg.save_check != SaveCheckMode.off and files.model_cfg.lora:
         probe = Probe.from_rows(list(probe_rows), files.tokenizer.pad_token_id)
         dtype = TORCH_DTYPES[files.model_cfg.dtype]
-        check = SaveCheck(weights, probe, dtype, files.model_cfg.attn_implementation.value)
+        # On a GPU the copy of the base loads on the host: the device may have no room for a second one.
+        on_cpu = env.device.type == "cuda"
+        check = SaveCheck(weights, probe, dtype, files.model_cfg.attn_implementation.value, on_cpu=on_cpu)
     writer = build_writer(
         env.is_rank_zero,
         run_dir,

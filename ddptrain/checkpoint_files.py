@@ -34,6 +34,8 @@ STATE = "trainer_state.pt"
 WEIGHTS = "weights"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 KNOWN_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
+BEST, BEST_FILE = "best", "best.json"
+"""``<run>/best/``: the best checkpoint's adapter (``trainer.best_metric``), and the file naming its step."""
 
 
 class CheckpointError(RuntimeError):
@@ -124,6 +126,26 @@ def base_model_path(model_cfg: ModelConfig, run_dir: Path) -> str:
     if model_cfg.init == ModelInit.random:
         return str((run_dir / "base").resolve())
     return model_cfg.name_or_path
+
+
+# ----------------------------------------------------------------------------- the best adapter
+
+
+def best_step_in(run_dir: Path) -> int | None:
+    """The step ``<run_dir>/best/`` holds (its ``best.json``), or None."""
+    try:
+        return int(json.loads((run_dir / BEST / BEST_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _merged(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two check records of one save as one: the times added, the worst differences, every folder."""
+    if not first or not second:
+        return first or second
+    worst = {k: max(first[k], second[k]) for k in ("save_check_max_abs_diff", "save_check_merged_max_abs_diff")}
+    both = {k: first[k] + second[k] for k in ("save_check_s", "save_check_folders")}
+    return worst | both
 
 
 # ----------------------------------------------------------------------------- finding and verifying

@@ -110,27 +110,28 @@ def apply_gradient_checkpointing(model: nn.Module, reentrant: bool = False) -> N
 
 
 def _chunk_loss(
-    h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, dtype: torch.dtype, count_correct: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk's logits in fp32, turned in place into exp(logits - row max).
 
     The GEMM runs in ``dtype`` (the weight's, or autocast's); the max, exp, sum and log in fp32.
 
     Returns:
-        The (chunk x vocab) fp32 buffer of exp(logits - row max), its row sums, the chunk's loss sum, and how many
-        of its targets have the row's largest logit (the model's greedy guess is right; ``top1_correct``).
+        The (chunk x vocab) fp32 buffer of exp(logits - row max), its row sums, the chunk's loss sum, and (with
+        ``count_correct``: evaluation) how many of its targets the greedy guess gets right (``top1_correct``).
     """
     buffer = (h.to(dtype) @ weight.t()).float()
     target_logit = buffer.gather(1, t[:, None]).squeeze(1)
+    correct = top1_correct(buffer, t) if count_correct else None  # an argmax pass: evaluation only
     row_max = buffer.amax(dim=-1, keepdim=True)
-    correct = top1_correct(target_logit, row_max.squeeze(1))
     sum_exp = buffer.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
     return buffer, sum_exp, (sum_exp.log() + row_max).squeeze(1).sub_(target_logit).sum(), correct
 
 
-def top1_correct(target_logit: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """Targets whose logit is the row's largest: greedy decoding would pick them (a tie counts as right)."""
-    return (target_logit >= row_max).sum()
+def top1_correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Targets that are their row's argmax: what greedy decoding picks (of tied logits, the first; a model whose
+    logits are all equal gets only the targets that happen to be token 0 right, not all)."""
+    return (logits.argmax(dim=-1) == targets).sum()
 
 
 def _gemm_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -154,7 +155,7 @@ def chunked_head_eval_sums(
         w = weight.to(dtype)
         for start in range(0, hidden.shape[0], chunk):
             _, _, chunk_loss, chunk_correct = _chunk_loss(
-                hidden[start : start + chunk], w, targets[start : start + chunk], dtype
+                hidden[start : start + chunk], w, targets[start : start + chunk], dtype, count_correct=True
             )
             loss += chunk_loss
             correct += chunk_correct
@@ -308,7 +309,7 @@ class CausalLMLoss(nn.Module):
         else:
             logits = self.lm_head(target_hidden).float()
             loss = F.cross_entropy(logits, target_ids, reduction="sum")
-            correct = top1_correct(logits.gather(1, target_ids[:, None]).squeeze(1), logits.amax(dim=-1))
+            correct = top1_correct(logits, target_ids)
         return loss, correct, target_ids.numel()
 
     def head_loss(self, hidden: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:

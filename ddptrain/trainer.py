@@ -59,6 +59,7 @@ class Trainer:
             grad_accum_steps=cfg.optim.grad_accum_steps,
             flash_varlen=wants_varlen_lengths(cfg.model),
         )
+        self.best = build_best_tracker(cfg.trainer, has_eval=self.data.eval is not None)  # before the weights load
         self.memory_plan = plan_at_start(cfg, self.data.tokenized, env.rank, env.world_size)  # no fit: stops here
         self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer)
         rng.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
@@ -83,11 +84,10 @@ class Trainer:
         self.peak_tflops = peak_tflops(env.device, matmul_dtype(precision, cfg.model.dtype), cfg.trainer.peak_tflops)
         self.profiler = profiling.build_profiler(cfg.trainer, env, run_dir, self.clock)
         self.metrics = build_metrics_logger(env.is_rank_zero, run_dir, cfg.logger, config_as_dict(cfg))
-        self.best = build_best_tracker(cfg.trainer, has_eval=self.data.eval is not None)
         samples = build_samples(cfg.trainer, cfg.data, self.tokenizer, env.rank, env.world_size)
         batches = self.data.eval_batches if self.data.eval is not None else None
         parts = (self.loss_module, batches, samples, self.best, self.metrics, self.clock, self.autocast, env.device)
-        self.evaluate = Evaluator(*parts)  # the eval metrics, the samples, the best tracker's verdict
+        self.evaluate = Evaluator(*parts, optimizer=self.optimizer)  # the eval metrics, samples, the best's verdict
         shared = {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
         files = checkpoint.AdapterFiles(self.tokenizer, cfg.model, cfg.trainer.seed)
         self.checkpointer = checkpoint.build_checkpointer(  # the sampler holds the data position
@@ -235,14 +235,13 @@ class Trainer:
         """
         self.clock.enter("finish", self.step)
         final = self.best.evaluated_at(self.step) or self.evaluate(self.step)
-        if self.cfg.trainer.save_final or self.best.wants_checkpoint(self.step):
+        if self.cfg.trainer.save_final or self.best.wants_checkpoint(self.step) or self.best.should_stop:
             self.save()
         if self.cfg.trainer.save_final:
             self.metrics.log(self.checkpointer.save_final(self.step))  # the save check's record, on rank 0
         parallel.barrier()
-        outcome = (
-            {k: v for k, v in final.items() if k.startswith("eval_")} | self.best.summary() | {"last_step": self.step}
-        )
+        kept = {"best_kept": checkpoint.best_step_in(self.run_dir) == self.best.best_step, "last_step": self.step}
+        outcome = {k: v for k, v in final.items() if k.startswith("eval_")} | self.best.summary() | kept
         if "early_stopped" in outcome:
             log.info("early stopping at step %d: %s", self.step, outcome["early_stopped"])
         return outcome

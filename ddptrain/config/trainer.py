@@ -173,6 +173,11 @@ def _check_best(t: TrainerConfig) -> list[str]:
             f"trainer.early_stopping.min_delta={stopping.min_delta} must be 0 or more (an improvement, in the "
             "metric's better direction)."
         )
+    if t.save_check == SaveCheckMode.final and not t.save_final:
+        problems.append(
+            "trainer.save_check=final checks the adapter saved at the end, but trainer.save_final=false saves none: "
+            "set trainer.save_check=every (each checkpoint and best/) or off."
+        )
     if stopping.patience > 0 and t.eval_every_n_steps == 0:
         problems.append(
             f"trainer.early_stopping.patience={stopping.patience} counts evaluations, but trainer.eval_every_n_steps=0 "

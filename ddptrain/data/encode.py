@@ -309,6 +309,21 @@ def check_reply_endings(encoder: RowEncoder, where: str) -> None:
             return
 
 
+def reply_end_tokens(encoder: RowEncoder) -> list[int]:
+    """The special or added tokens that end a reply when training renders the probe conversation (Qwen's
+    ``<|im_end|>``, Llama 3's ``<|eot_id|>``, the EOS ddptrain appends): where a completion of a conversation stops.
+    Empty when the template refuses the probe."""
+    try:
+        if encoder.chat_template is None:
+            ((ids, labels, _),) = encoder.encode_turns([chatml_turns(PROBE)])
+        else:
+            ((ids, labels, _),) = encoder.encode_texts([render_chat(PROBE, encoder.render, encoder.token_ends)])
+    except RowError:
+        return []
+    special = set(encoder.tokenizer.all_special_ids) | set(encoder.tokenizer.added_tokens_decoder)
+    return sorted({token for token in _last_targets(ids, labels) if token in special})
+
+
 def _last_targets(ids: Sequence[int], labels: Sequence[int]) -> list[int]:
     """The last token of each unbroken run of targets."""
     return [

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddptrain.config import DataConfig, Template
-from ddptrain.data.encode import RowEncoder
+from ddptrain.data.encode import RowEncoder, reply_end_tokens
 from ddptrain.data.templates import SHAREGPT_ROLES, RowError, alpaca_prompt
 
 if TYPE_CHECKING:
@@ -70,7 +70,23 @@ class PromptRenderer:
             raise ValueError(f"trainer.eval_prompts: the prompt {prompt!r}: {err}.") from None
 
     def ids(self, prompt: Prompt) -> list[int]:
-        return self.tokenizer(self.text(prompt), add_special_tokens=False).input_ids
+        """The prompt's token ids, as training tokenizes the text before a response.
+
+        Raises:
+            ValueError: the prompt renders to no token (nothing to continue).
+        """
+        ids = self.tokenizer(self.text(prompt), add_special_tokens=False).input_ids
+        if not ids:
+            raise ValueError(f"trainer.eval_prompts: the prompt {prompt!r} renders to no token: give it some text.")
+        return ids
+
+    def stop_ids(self) -> list[int]:
+        """Where a completion ends: the EOS, and for conversations the tokens that end a reply in the run's template
+        (``encode.reply_end_tokens``): a chat model ends its turn with them, not always with the EOS."""
+        stops = {self.tokenizer.eos_token_id}
+        if self.cfg.template in (Template.chat, Template.sharegpt):
+            stops |= set(reply_end_tokens(self.encoder))
+        return sorted(stops)
 
     def _render(self, prompt: Prompt) -> str:
         c = self.cfg

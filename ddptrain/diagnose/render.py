@@ -130,7 +130,8 @@ def _best_text(s: dict) -> str:
     """The best evaluation (trainer.best_metric), whose adapter ``<run>/best/`` holds (trainer.keep_best_n)."""
     if s.get("best_step") is None:
         return ""
-    return f"; best {s['best_metric']} {s['best_value']:.4f} at step {s['best_step']} (its adapter: `best/`)"
+    where = "its adapter: `best/`" if s.get("best_kept") else "not kept: trainer.keep_best_n=0"
+    return f"; best {s['best_metric']} {s['best_value']:.4f} at step {s['best_step']} ({where})"
 
 
 def _outside_table(s: dict) -> list[str]:

@@ -407,7 +407,8 @@ def best_eval(evals: list[dict], settings: RunSettings) -> dict:
     rule = BestRule.build(metric, settings["trainer.greater_is_better"], keep_best_n=1)
     scored = [(value, e) for e in evals if (value := as_number(e.get(metric))) is not None]
     best = rule.best_first(scored)[0] if scored else None  # stable: of equal values the earliest, as the tracker
-    return {"best_metric": metric, "best_step": best and best["step"], "best_value": best and best[metric]}
+    found = {"best_metric": metric, "best_step": best and best["step"], "best_value": best and best[metric]}
+    return found | {"best_kept": settings["trainer.keep_best_n"] > 0}
 
 
 def _grad_accum_steps(settings: RunSettings, world_size: int) -> int:

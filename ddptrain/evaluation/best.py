@@ -93,23 +93,29 @@ class BestTracker:
         """The metrics of the evaluation of ``step``, or None when ``step`` was not evaluated."""
         return self.evaluated if self.evaluated.get("step") == step else None
 
+    def best_so_far(self) -> str:
+        """``best 2.3456 at step 20``, or that no evaluation gave a number yet (every one NaN)."""
+        if self.best_step is None:
+            return f"no evaluation gave a number yet ({self.rule.metric} NaN)"
+        return f"best {self.best_value:.4f} at step {self.best_step}"
+
     def stop_reason(self) -> str:
         """The early stop, in one line (the best step and value; where its adapter is, the trainer adds)."""
         delta = f" by at least {self.min_delta:g}" if self.min_delta else ""
+        best = self.best_so_far().replace("best", "the best was", 1) if self.best_step is not None else None
         return (
             f"{self.rule.metric} has not improved{delta} for {self.evals_without_improvement} evaluation(s) "
-            f"(trainer.early_stopping.patience={self.patience}); the best was {self.best_value:.4f} at step "
-            f"{self.best_step}"
+            f"(trainer.early_stopping.patience={self.patience}); {best or self.best_so_far()}"
         )
 
     def summary(self) -> dict[str, Any]:
-        """What the run's result says of the best evaluation (``best_step``, ``best_metric``, ``best_value``, whether
-        ``best/`` holds it) and of an early stop (``early_stopped``: why); empty before any evaluation."""
+        """What the run's result says of the best evaluation (``best_step``, ``best_metric``, ``best_value``) and of an
+        early stop (``early_stopped``: why); empty before any evaluation."""
+        stopped = {"early_stopped": self.stop_reason()} if self.should_stop else {}
         if self.best_step is None:
-            return {}
+            return stopped
         found = {"best_step": self.best_step, "best_metric": self.rule.metric, "best_value": self.best_value}
-        found["best_kept"] = self.rule.keep_best_n > 0  # in <run>/best/
-        return found | ({"early_stopped": self.stop_reason()} if self.should_stop else {})
+        return found | stopped
 
     def state_dict(self) -> dict[str, Any]:
         state = asdict(self)

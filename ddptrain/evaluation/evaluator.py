@@ -32,6 +32,7 @@ class Evaluator:
         metrics: the metrics logger (rank 0 writes; elsewhere a null object).
         clock: the step clock: evaluation and samples are phases of their own, outside the steps.
         autocast: the run's autocast; device: where the model is.
+        optimizer: its gradients are freed before evaluating (the next step sets them anew).
     """
 
     loss_module: CausalLMLoss
@@ -42,9 +43,11 @@ class Evaluator:
     clock: Any
     autocast: Callable[[], AbstractContextManager]
     device: torch.device
+    optimizer: torch.optim.Optimizer
 
     def __call__(self, step: int) -> dict[str, Any]:
         """Evaluate at ``step``; returns the record logged (``eval_loss``, ..., ``eval_s``, ``samples_s``)."""
+        self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: freed before eval's peak
         record: dict[str, Any] = {"step": step}
         if self.eval_batches is not None:
             self.clock.enter("eval", step)
@@ -66,7 +69,7 @@ class Evaluator:
     def _book(self, step: int, record: dict[str, Any]) -> None:
         improved = self.best.observe(step, record)
         metric = self.best.rule.metric
-        best = "the best so far" if improved else f"best {self.best.best_value:.4f} at step {self.best.best_step}"
+        best = "the best so far" if improved else self.best.best_so_far()
         log.info(
             "step %d: eval_loss %.4f, perplexity %.4g, accuracy %.1f%% (%s: %s)",
             step,

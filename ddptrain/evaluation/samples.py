@@ -34,17 +34,17 @@ def complete(
     model: nn.Module,
     prompt_ids: list[list[int]],
     max_new_tokens: int,
-    eos_id: int,
+    stop_ids: list[int],
     pad_id: int,
     device: torch.device,
 ) -> list[list[int]]:
-    """The greedy continuation of each prompt (at most ``max_new_tokens`` tokens, ending at the EOS), one prompt at a
-    time (no padding to reason about). No collective: ``model`` is the unwrapped model, run on this rank alone.
-    The caller sets eval mode and the autocast."""
+    """The greedy continuation of each prompt (at most ``max_new_tokens`` tokens, ending at one of ``stop_ids``), one
+    prompt at a time (no padding to reason about). No collective: ``model`` is the unwrapped model, run on this rank
+    alone. The caller sets eval mode and the autocast."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, eos_token_id=eos_id, pad_token_id=pad_id
+        max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, eos_token_id=stop_ids, pad_token_id=pad_id
     )
     completions = []
     with torch.no_grad():
@@ -62,12 +62,21 @@ class SampleRound:
     Args:
         prompts: the rendered prompts (``data.PromptRenderer``), the same list on every rank.
         max_new_tokens: ``trainer.eval_max_new_tokens``.
-        tokenizer: decodes the completions (and gives the EOS and pad ids).
+        tokenizer: decodes the completions (and gives the pad id).
+        stop_ids: the tokens a completion ends at (``data.PromptRenderer.stop_ids``: the EOS, an end-of-turn marker).
         rank, world_size: this rank's share of the prompts.
     """
 
-    def __init__(self, prompts: list[Prompt], max_new_tokens: int, tokenizer: Any, rank: int, world_size: int):
-        self.prompts, self.max_new_tokens, self.tokenizer = prompts, max_new_tokens, tokenizer
+    def __init__(
+        self,
+        prompts: list[Prompt],
+        max_new_tokens: int,
+        tokenizer: Any,
+        stop_ids: list[int],
+        rank: int,
+        world_size: int,
+    ):
+        self.prompts, self.max_new_tokens, self.tokenizer, self.stop_ids = prompts, max_new_tokens, tokenizer, stop_ids
         self.mine = list(range(rank, len(prompts), world_size))
 
     def __call__(
@@ -83,7 +92,7 @@ class SampleRound:
                 model,
                 [self.prompts[i].ids for i in self.mine],
                 self.max_new_tokens,
-                self.tokenizer.eos_token_id,
+                self.stop_ids,
                 self.tokenizer.pad_token_id,
                 device,
             )
@@ -94,9 +103,11 @@ class SampleRound:
         return [row for _, row in gathered], seconds
 
     def _row(self, step: int, index: int, tokens: list[int]) -> dict[str, Any]:
-        eos = self.tokenizer.eos_token_id
-        ended = "eos" if eos in tokens else "max_new_tokens"
-        text = self.tokenizer.decode(tokens[: tokens.index(eos)] if eos in tokens else tokens, skip_special_tokens=True)
+        """The completion's text (up to its stop token), its token count, and how it ended: the stop token it wrote
+        (``<|im_end|>``, the EOS) or ``max_new_tokens``."""
+        end = next((k for k, token in enumerate(tokens) if token in self.stop_ids), None)
+        ended = "max_new_tokens" if end is None else self.tokenizer.convert_ids_to_tokens(tokens[end])
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
         return {
             "step": step,
             "prompt": self.prompts[index].given,
@@ -118,4 +129,4 @@ def build_samples(
         return None
     renderer = PromptRenderer(data_cfg, tokenizer)
     prompts = [Prompt(given, renderer.ids(given)) for given in read_prompts(cfg.eval_prompts)]
-    return SampleRound(prompts, cfg.eval_max_new_tokens, tokenizer, rank, world_size)
+    return SampleRound(prompts, cfg.eval_max_new_tokens, tokenizer, renderer.stop_ids(), rank, world_size)

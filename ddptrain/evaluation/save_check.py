@@ -5,14 +5,15 @@ in place, it checks the files as a user would use them, with nothing of ddptrain
 
 - the keys are the ones peft saves for this model (``get_peft_model_state_dict``), canonical (no ``module.`` of
   DDP, no ``_orig_mod.`` of torch.compile), none missing and none extra: peft would only warn about them;
-- after the first optimizer step every ``lora_B`` is non-zero (it starts at zero: a zero one is an untrained or
-  lost adapter that loads "fine");
+- no ``lora_B`` is all zero where the training model's is not (it starts at zero: a zero one is a lost adapter
+  that loads "fine"; before its first update, as when fp16's first steps overflow, zero is right);
 - ``AutoModelForCausalLM.from_pretrained(<the base in adapter_config.json>)`` then ``PeftModel.from_pretrained``
   computes the training model's logits on a fixed probe batch, and so does the model merged from it
   (``merge_and_unload``, what ``python -m ddptrain.export --merge`` saves).
 
-The base loads once per check (the folders of one save share it, peft's ``unload`` hands it back), onto rank 0's
-device in the run's ``model.dtype``: one more copy of the base weights for the duration of the check. Logits are
+The base loads once per call (the folders of one call share it: peft's ``unload`` hands it back; a checkpoint and
+the ``best/`` copied from it are two calls), onto rank 0's device in the run's ``model.dtype``: one more copy of the
+base weights for the duration of the check (the memory plan counts it: ``plan.budget``). Logits are
 compared without autocast on the attended positions, within ``LOAD_TOLERANCE`` (the adapter) and
 ``MERGE_TOLERANCE`` (the merged model) of the dtype. A failure raises ``SaveCheckError`` naming the file and the
 difference.
@@ -20,9 +21,11 @@ difference.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,16 +78,20 @@ class SaveCheck:
         probe: the batch to compare on.
         dtype: the base weights' dtype (``model.dtype``): the base loads in it.
         attn_implementation: ``model.attn_implementation``, so both models run the same attention kernel.
+        on_cpu: load the copy of the base on the CPU, not beside the training model (a GPU run: its device has no
+            room for a second base). The training model is then mirrored there: its peft config and its adapter
+            tensors, in memory, on the loaded base, whose every weight must equal the one the run trains on; the
+            loaded files are compared with that mirror.
     """
 
-    def __init__(self, model: nn.Module, probe: Probe, dtype: torch.dtype, attn_implementation: str):
-        self.model, self.probe, self.dtype, self.attn = model, probe, dtype, attn_implementation
+    def __init__(
+        self, model: nn.Module, probe: Probe, dtype: torch.dtype, attn_implementation: str, on_cpu: bool = False
+    ):
+        self.model, self.probe, self.dtype, self.on_cpu = model, probe, dtype, on_cpu
+        self.attn = "sdpa" if on_cpu and attn_implementation == "flash_attention_2" else attn_implementation
 
-    def __call__(self, folders: list[tuple[Path, Path]], trained: bool) -> dict[str, Any]:
+    def __call__(self, folders: list[tuple[Path, Path]]) -> dict[str, Any]:
         """Check each ``(folder as written, folder as the user will find it)``; the second names the files in errors.
-
-        Args:
-            trained: the weights went through an optimizer step (every ``lora_B`` must be non-zero).
 
         Returns:
             The record of the check: its seconds, the largest logit difference of the adapter and the merged model.
@@ -93,10 +100,16 @@ class SaveCheck:
             SaveCheckError: naming the file and what is wrong with it.
         """
         start = time.perf_counter()
+        live = self._live_weights()
         for folder, shown in folders:
-            check_keys(folder, shown, set(self._expected_keys()), trained)
-        reference = self._logits(self.model)
-        base = self._load_base(_recorded_base(*folders[0]))
+            check_keys(folder, shown, live)
+        recorded = _recorded_base(*folders[0])
+        base = self._load_base(recorded)
+        if self.on_cpu:
+            self._check_same_base(base, recorded, folders[0][1])
+            reference = self._mirror_logits(base, live)
+        else:
+            reference = self._logits(self.model)
         worst, merged_diff = 0.0, 0.0
         for k, (folder, shown) in enumerate(folders):
             loaded = _load_adapter(base, folder)
@@ -124,17 +137,52 @@ class SaveCheck:
             "save_check_folders": names,
         }
 
-    def _expected_keys(self) -> list[str]:
+    def _live_weights(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors as peft saves them, under the keys it saves them (``get_peft_model_state_dict``)."""
         from peft import get_peft_model_state_dict
 
-        return list(get_peft_model_state_dict(self.model))
+        return get_peft_model_state_dict(self.model)
 
     def _load_base(self, base: str) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        device = next(self.model.parameters()).device
+        device = torch.device("cpu") if self.on_cpu else next(self.model.parameters()).device
         model = AutoModelForCausalLM.from_pretrained(base, dtype=self.dtype, attn_implementation=self.attn)
         return model.to(device)
+
+    def _check_same_base(self, base: nn.Module, recorded: str, shown: Path) -> None:
+        """Every weight of the loaded base equals, bit for bit, the one the training model holds (one tensor at a
+        time on the CPU): the mirror below is then the training model.
+
+        Raises:
+            SaveCheckError: the recorded base is another model.
+        """
+        training = {
+            name.replace(".base_layer", ""): p
+            for name, p in self.model.get_base_model().named_parameters()
+            if "lora_" not in name
+        }
+        for name, p in base.named_parameters():
+            trained_on = training.get(name)
+            if trained_on is None or trained_on.shape != p.shape or not torch.equal(trained_on.detach().cpu(), p):
+                raise SaveCheckError(
+                    f"{shown / ADAPTER_CONFIG} names the base {recorded}, but its {name} is not the weight the run "
+                    "trains on: the adapter would load onto another model."
+                )
+
+    def _mirror_logits(self, base: nn.Module, live: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The training model's logits, computed on the loaded base: its peft config and adapter tensors put on it
+        (then taken off again)."""
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        config = copy.deepcopy(self.model.peft_config[self.model.active_adapter])
+        with warnings.catch_warnings():  # peft notes the base's new name_or_path: the mirror is never saved
+            warnings.filterwarnings("ignore", message=".*base_model_name_or_path.*", category=UserWarning)
+            mirror = get_peft_model(base, config, autocast_adapter_dtype=True)
+        set_peft_model_state_dict(mirror, {k: v.detach().cpu() for k, v in live.items()})
+        logits = self._logits(mirror)
+        mirror.unload()
+        return logits
 
     def _logits(self, model: nn.Module) -> torch.Tensor:
         device = next(model.parameters()).device
@@ -163,8 +211,9 @@ class SaveCheck:
         return diff
 
 
-def check_keys(folder: Path, shown: Path, expected: set[str], trained: bool) -> None:
-    """The adapter file holds exactly the keys peft saves for the model, canonical, every ``lora_B`` trained.
+def check_keys(folder: Path, shown: Path, live: dict[str, torch.Tensor]) -> None:
+    """The adapter file holds exactly the keys peft saves for the training model (``live``: its tensors by key),
+    canonical, and no ``lora_B`` all zero where the training model's is not.
 
     Raises:
         SaveCheckError: naming the file and the keys.
@@ -182,17 +231,17 @@ def check_keys(folder: Path, shown: Path, expected: set[str], trained: bool) -> 
                 f"{shown / ADAPTER_FILE}: {len(wrapped)} key(s) carry a wrapper's prefix ({_few(wrapped)}): peft "
                 "would load none of them and warn only. Save the unwrapped model (no DDP, no torch.compile)."
             )
-        missing, extra = sorted(expected - keys), sorted(keys - expected)
+        missing, extra = sorted(live.keys() - keys), sorted(keys - live.keys())
         if missing or extra:
             raise SaveCheckError(
                 f"{shown / ADAPTER_FILE} does not hold the adapter peft saves for this model: missing "
                 f"{_few(missing)}; unexpected {_few(extra)}."
             )
-        zero = sorted(k for k in keys if trained and "lora_B" in k and not f.get_tensor(k).any())
+        zero = sorted(k for k in keys if "lora_B" in k and not f.get_tensor(k).any() and live[k].any())
     if zero:
         raise SaveCheckError(
-            f"{shown / ADAPTER_FILE}: {len(zero)} lora_B weight(s) are all zero after training ({_few(zero)}): "
-            "lora_B starts at zero, so this adapter is untrained or lost its weights (it would load and do nothing)."
+            f"{shown / ADAPTER_FILE}: {len(zero)} lora_B weight(s) are all zero where the training model's are not "
+            f"({_few(zero)}): the adapter lost its weights (it would load and do nothing)."
         )
 
 

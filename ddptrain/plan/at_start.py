@@ -84,7 +84,7 @@ def _plan_and_decide(cfg: RunConfig, data: TokenizedData, rank: int, world_size:
         eval_gb=mine.peak(mine.eval) / GIB if mine.eval else None,
         device_gb=None if mine.device_bytes is None else mine.device_bytes / GIB,
     )
-    worst = max([*peaks, mine.peak(mine.eval) if mine.eval else 0])
+    worst = max([*peaks, mine.peak(mine.eval) if mine.eval else 0, mine.check_peak])
     if mine.device_bytes is None or worst <= mine.device_bytes:
         log.info("memory plan: %s", _summary(prediction), extra=RANK_ZERO_ONLY)
         return prediction

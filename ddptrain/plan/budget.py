@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ddptrain.config import Batching, DType, RunConfig
+from ddptrain.config import Batching, DType, RunConfig, SaveCheckMode
 from ddptrain.plan.batches import Candidate
 from ddptrain.plan.simulate import BatchShape, FakeModel
 
@@ -64,6 +64,7 @@ class MemoryPlan:
     fixed: dict[str, int]
     ranks: list[StepPeak]
     eval: StepPeak | None = None
+    save_check: int = 0  # bytes on rank 0's device while a save is checked (save_check_bytes)
     levers: list[Lever] = dataclasses.field(default_factory=list)
     largest: str | None = None  # the largest batch setting that fits
 
@@ -89,9 +90,17 @@ class MemoryPlan:
         return max(self.ranks, key=self.peak)
 
     @property
+    def check_peak(self) -> int:
+        """Rank 0's peak while it checks a save: what it holds, a second copy of the base, the probe's logits."""
+        if not self.save_check:
+            return 0
+        allocated = self.held + self.save_check
+        return allocated + self.slack(allocated - sum(self.fixed.values()))
+
+    @property
     def worst(self) -> int:
-        """The plan's highest peak: training on the fullest rank, or evaluation."""
-        return max(self.peak(self.fullest), self.peak(self.eval) if self.eval else 0)
+        """The plan's highest peak: training on the fullest rank, evaluation, or rank 0's save check."""
+        return max(self.peak(self.fullest), self.peak(self.eval) if self.eval else 0, self.check_peak)
 
     @property
     def fits(self) -> bool | None:
@@ -115,6 +124,20 @@ def fixed_costs(device: str, world_size: int) -> dict[str, int]:
     if world_size > 1:
         costs["NCCL buffers"] = int(NCCL_GIB * GIB)
     return costs
+
+
+PROBE_ROWS, PROBE_TOKENS = 2, 32  # evaluation.save_check.Probe: two training rows, cut to 32 tokens
+
+
+def save_check_bytes(model: FakeModel, cfg: RunConfig, vocab_size: int, device: str) -> int:
+    """What rank 0 adds on its device while it checks a save (``evaluation.save_check``), beyond what it holds: the
+    base loaded again (the weights without the adapters) and the probe's fp32 logits, three of them (the training
+    model's, the loaded adapter's, the merged model's). 0 when there is no check (trainer.save_check=off, a full
+    fine-tune) and on CUDA, where the check loads the base on the host."""
+    if cfg.trainer.save_check == SaveCheckMode.off or not cfg.model.lora or device == "cuda":
+        return 0
+    base = sum(model.parameter_bytes().values()) - model.trainable_parameters()[1]
+    return base + 3 * PROBE_ROWS * PROBE_TOKENS * vocab_size * 4
 
 
 def step_peak(model: FakeModel, candidate: Candidate) -> StepPeak:

@@ -26,6 +26,7 @@ from ddptrain.plan.budget import (
     largest_fitting,
     planned_device,
     precision_of,
+    save_check_bytes,
     step_peak,
 )
 from ddptrain.plan.simulate import FakeModel
@@ -61,10 +62,14 @@ def make_plan(
     )
     evaluated = eval_candidate(data, cfg.data.micro_batch_size, world_size, spec)
     plan.eval = eval_peak(model, evaluated) if evaluated else None
+    plan.save_check = save_check_bytes(model, cfg, config.vocab_size, device)
     if with_levers:
         shape = plan.fullest.candidate.shape
         plan.largest = largest_fitting(plan, model, cfg, shape.targets / shape.tokens)
         plan.levers = levers(plan, cfg, data, spec, config, model)
+        if plan.check_peak == plan.worst:  # the save check is what does not fit: it can go
+            without = max(plan.peak(plan.fullest), plan.peak(plan.eval) if plan.eval else 0)
+            plan.levers.append(Lever("trainer.save_check=off", without, "no second copy of the base on rank 0"))
     return plan
 
 

@@ -44,6 +44,11 @@ def render_plan(plan: MemoryPlan, title: str) -> str:
         lines.append(f"rank {s.candidate.rank}'s costliest micro-batch: {_shape(s)}")
     if plan.eval is not None:
         lines.append(f"evaluation peak: {_gib(plan.peak(plan.eval))} GiB ({_shape(plan.eval)})")
+    if plan.save_check:
+        lines.append(
+            f"save check peak (rank 0, trainer.save_check): {_gib(plan.check_peak)} GiB, of which "
+            f"{_gib(plan.save_check)} GiB the base loaded again and the probe's logits"
+        )
     lines += ["", verdict(plan)]
     if plan.largest:
         lines.append(f"largest that fits: {plan.largest}")
@@ -61,6 +66,8 @@ def verdict(plan: MemoryPlan) -> str:
     """One line: fits (with the margin) or does not (by how much), or no verdict without a device size."""
     worst, rank = plan.worst, plan.fullest.candidate.rank
     when = "evaluation" if plan.eval is not None and plan.peak(plan.eval) > plan.peak(plan.fullest) else f"rank {rank}"
+    if plan.check_peak > max(plan.peak(plan.fullest), plan.peak(plan.eval) if plan.eval else 0):
+        when = "rank 0's save check"
     if plan.device_bytes is None:
         return (
             f"predicted peak {_gib(worst)} GiB ({when}); no device size to compare with: set plan.device_memory_gb "

@@ -177,9 +177,11 @@ def _cause(error: str) -> str:
 
 
 def _rank_key(row: dict[str, Any]) -> tuple:
-    """Best first: finished jobs by eval loss, then by training loss; then the unfinished ones (running, stopped,
-    interrupted) the same way on what they logged so far; failed and unstarted jobs last, in job order."""
-    eval_loss, loss = _finite(row["eval_loss"]), _finite(row["loss"])
+    """Best first: finished jobs by the best eval loss they reached (their best/ adapter's), then by training loss;
+    then the unfinished ones (running, stopped, interrupted) the same way on what they logged so far; failed and
+    unstarted jobs last, in job order."""
+    reached = [loss for _, loss in row["eval_curve"] if loss is not None]
+    eval_loss, loss = (min(reached) if reached else _finite(row["eval_loss"])), _finite(row["loss"])
     unusable = row["status"] == jobs.FAILED or (eval_loss is None and loss is None)
     return (
         unusable,
@@ -261,7 +263,8 @@ def render_markdown(sweep_dir: Path, rows: list[dict[str, Any]], plots: list[str
         f"# Sweep report: {sweep_dir}",
         "",
         f"{len(rows)} jobs" + "".join(f", {n} {status}" for status, n in sorted(counts.items())) + ".",
-        "Best first by eval loss (then by training loss). 'best' is the job's best evaluation by trainer.best_metric"
+        "Best first by the best eval loss each job reached (then by training loss). 'best' is the job's best evaluation"
+        " by trainer.best_metric"
         " and the step of the adapter in its best/ folder. Time in communication is the all-reduce time left exposed"
         " per optimizer step (trainer.timing=true).",
         "",

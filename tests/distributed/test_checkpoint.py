@@ -92,6 +92,8 @@ def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path,
     for resume_from in (first_epoch[len(first_epoch) // 2], first_epoch[-1]):
         run = train_in_process(tmp_path / f"resumed-{resume_from.name}", [*args, f"trainer.resume={resume_from}"])
         assert_bit_identical(final_weights(run), reference)
+        checked = [r for r in read_metrics(run) if "save_check_s" in r]  # a resumed run's saves load as trained
+        assert checked and all(r["save_check_max_abs_diff"] <= 1e-5 for r in checked)
         losses = train_losses(run)
         assert min(losses) == manifests[resume_from]["step"] + 1
         assert all(losses[s] == ref_losses[s] for s in losses), "metrics after resuming differ"

@@ -156,7 +156,8 @@ def test_compiled_model_computes_the_eager_loss_and_syncs_once_per_step_under_ac
     """trainer.compile=true on 2 ranks with optim.grad_accum_steps=2. torch.compile wraps the DDP module, and
     the accumulation micro-step must still skip the all-reduce (1 sync per step). Step 1 (the initial weights)
     gives the eager run's loss to 1e-5; the next steps follow the eager run's losses (to 1e-4: compiled kernels
-    round differently), so the compiled model's parameters were updated as eager's were.
+    round differently), so the compiled model's parameters were updated as eager's were; its saves pass the save
+    check (no ``_orig_mod.`` key, the training model's logits in plain peft).
 
     Both runs use one decoder layer of the bundled model with LoRA on q_proj and v_proj: what is compiled is still
     the DDP-wrapped PEFT model, in a third less time than the whole model (55 s and 46 s against 71 s on a cold
@@ -168,6 +169,9 @@ def test_compiled_model_computes_the_eager_loss_and_syncs_once_per_step_under_ac
     accum = ["trainer.max_steps=3", "optim.grad_accum_steps=2", *small]
     eager = run_fit(tmp_path, "eager-accum2", accum)
     compiled = run_fit(tmp_path, "compiled-accum2", [*accum, "trainer.compile=true"])
+    # The compiled run's saves load in plain peft as trained: no _orig_mod. key, the training model's logits.
+    checked = [r for r in read_metrics(tmp_path / "compiled-accum2") if "save_check_s" in r]
+    assert checked and all(r["save_check_max_abs_diff"] <= 1e-5 for r in checked)
     assert [r["allreduce_syncs_per_step"] for r in compiled] == [1.0, 1.0, 1.0]
     losses = [r["loss"] for r in compiled]
     assert all(math.isfinite(loss) for loss in losses) and len(set(losses)) == len(losses), losses
