@@ -110,3 +110,23 @@ def test_samples_of_every_evaluation_are_in_samples_jsonl_and_in_each_logger(log
     artifacts = Path(client.download_artifacts(run.info.run_id, "samples"))
     logged = {int(f.stem.split("-")[1]): json.loads(f.read_text()) for f in sorted(artifacts.glob("step-*.json"))}
     assert {step: [(r["prompt"], r["completion"]) for r in v["samples"]] for step, v in logged.items()} == samples
+
+
+def test_the_last_samples_are_what_the_saved_adapter_writes(logged_run: Path) -> None:
+    """The completions of the last evaluation (the run's end) are the ones plain transformers writes, greedily, with
+    the saved adapter on its base: each prompt got its own completion, from the trained model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = logged_run / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"]), adapter)
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    expected = []
+    for prompt in DEBUG_RUN_PROMPTS:  # data=tiny_instruct: the Alpaca prompt without an input
+        text = "Below is an instruction that describes a task. Write a response that appropriately completes the "
+        text += f"request.\n\n### Instruction:\n{prompt}\n\n### Response:\n"
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        out = model.eval().generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+        expected.append((prompt, tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)))
+    assert jsonl_samples(logged_run)[STEPS] == expected
