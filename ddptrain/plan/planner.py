@@ -46,7 +46,7 @@ def make_plan(
     device = planned_device(cfg)
     config = architecture_config(cfg.model)
     precision = precision_of(cfg, device)
-    model = FakeModel(config, cfg.model, precision)
+    model = FakeModel(config, cfg.model, precision, compiled=cfg.trainer.compile)
     spec = build_batching_spec(cfg.data, world_size, cfg.optim.grad_accum_steps, cfg.trainer.seed)
     weights, trainable, gradients, optimizer = held_memory(model, cfg, world_size)
     plan = MemoryPlan(
@@ -131,7 +131,7 @@ def _model_lever(
     plan: MemoryPlan, cfg: RunConfig, config: PretrainedConfig, candidates, overrides: str, **changes
 ) -> Lever:
     changed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
-    model = FakeModel(config, changed.model, precision_of(cfg, plan.device))
+    model = FakeModel(config, changed.model, precision_of(cfg, plan.device), compiled=cfg.trainer.compile)
     weights, _, gradients, optimizer = held_memory(model, changed, plan.world_size)
     other = dataclasses.replace(plan, weights=weights, gradients=gradients, optimizer=optimizer)
     return Lever(overrides, max(other.peak(step_peak(model, c)) for c in candidates))

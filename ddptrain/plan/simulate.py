@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,12 +62,15 @@ class StepMemory:
 class FakeModel:
     """The run's model on fake tensors, stepped for any batch shape: two copies cut to the first 2 and 3 decoder
     layers are simulated and every figure is carried on linearly to the model's own depth (decoder layers repeat one
-    structure; simulating 28 layers of a 7B model takes ten times as long and gives the same bytes)."""
+    structure; simulating 28 layers of a 7B model takes ten times as long and gives the same bytes). ``compiled``: the
+    run compiles the model (trainer.compile), under which transformers builds the attention mask whatever the
+    padding (``_masks_as_the_run_builds_them``)."""
 
-    def __init__(self, config: PretrainedConfig, cfg: ModelConfig, precision: DType):
+    def __init__(self, config: PretrainedConfig, cfg: ModelConfig, precision: DType, compiled: bool = False):
         self.layers = config.num_hidden_layers
-        self.cut = [_FakeDepth(_cut_to(config, n), cfg, precision) for n in (2, 3)] if self.layers > 3 else []
-        self.whole = None if self.cut else _FakeDepth(config, cfg, precision)
+        depth = functools.partial(_FakeDepth, cfg=cfg, precision=precision, compiled=compiled)
+        self.cut = [depth(_cut_to(config, n)) for n in (2, 3)] if self.layers > 3 else []
+        self.whole = None if self.cut else depth(config)
 
     def _extend(self, measure: Callable[[_FakeDepth], int]) -> int:
         if self.whole is not None:
@@ -114,8 +118,9 @@ def _cut_to(config: PretrainedConfig, layers: int) -> PretrainedConfig:
 class _FakeDepth:
     """The run's loss module (``CausalLMLoss``) on fake tensors at one depth, stepped for any batch shape."""
 
-    def __init__(self, config: PretrainedConfig, cfg: ModelConfig, precision: DType):
+    def __init__(self, config: PretrainedConfig, cfg: ModelConfig, precision: DType, compiled: bool = False):
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.compiled = compiled
         self.precision = precision
         self.module = _fake_loss_module(config, cfg, self.mode)
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
@@ -123,7 +128,7 @@ class _FakeDepth:
 
     def step(self, shape: BatchShape) -> StepMemory:
         """Forward and backward of one micro-batch of ``shape``, counted (see the module's docstring)."""
-        with self.mode, _masks_as_the_run_builds_them(shape):
+        with self.mode, _masks_as_the_run_builds_them(shape, self.compiled):
             batch = _fake_batch(shape)
             # The gradients' buffers exist before the step (DDP's buckets): counted with the parameters, not here.
             for p in self.trainable:
@@ -141,7 +146,7 @@ class _FakeDepth:
 
     def forward_peak(self, shape: BatchShape) -> int:
         """The most bytes alive at once in a forward pass without gradients (evaluation)."""
-        with self.mode, torch.no_grad(), _masks_as_the_run_builds_them(shape):
+        with self.mode, torch.no_grad(), _masks_as_the_run_builds_them(shape, self.compiled):
             batch = _fake_batch(shape)
             live = LiveBytes(ignore=self._parameter_storages)
             with live, self._autocast():
@@ -195,7 +200,7 @@ def _fake_loss_module(config: PretrainedConfig, cfg: ModelConfig, mode: FakeTens
 
 
 @contextlib.contextmanager
-def _masks_as_the_run_builds_them(shape: BatchShape) -> Iterator[None]:
+def _masks_as_the_run_builds_them(shape: BatchShape, compiled: bool) -> Iterator[None]:
     """Whether the attention kernel gets a materialised mask, as the real step of ``shape`` decides it.
 
     For SDPA, transformers skips the (rows x 1 x width x width) mask and lets the kernel apply causality itself when
@@ -203,7 +208,9 @@ def _masks_as_the_run_builds_them(shape: BatchShape) -> Iterator[None]:
     takes for a graph being traced: simulated as it is, an unpadded batch would keep that mask in every layer (at
     10 x 2,048 tokens, 168 MB a layer that the real step never allocates). Here the fake step takes the decision the
     real one takes: a padded batch gets its mask (the collator's mask has zeros), an unpadded one the same checks
-    transformers makes on real tensors, with no padding. Packed rows get a block mask either way (elsewhere)."""
+    transformers makes on real tensors, with no padding. Packed rows get a block mask either way (elsewhere). A
+    compiled model (``compiled``) gets one always: under dynamo transformers takes the collator's mask for traced
+    and builds the 4D mask (torch before 2.14, as the comment in its ``_ignore_causal_mask_sdpa`` says)."""
     try:
         from transformers import masking_utils
 
@@ -213,7 +220,7 @@ def _masks_as_the_run_builds_them(shape: BatchShape) -> Iterator[None]:
         return
 
     def as_the_run(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
-        if shape.padded or shape.packed:
+        if shape.padded or shape.packed or (compiled and _torch_before((2, 14))):
             return False
         return decide(
             None, q_length, kv_length, 0, kv_offset if isinstance(kv_offset, int) else 0, local_attention_size
@@ -224,6 +231,11 @@ def _masks_as_the_run_builds_them(shape: BatchShape) -> Iterator[None]:
         yield
     finally:
         masking_utils._ignore_causal_mask_sdpa = decide
+
+
+def _torch_before(version: tuple[int, int]) -> bool:
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    return (major, minor) < version
 
 
 def _fake_batch(shape: BatchShape) -> dict[str, torch.Tensor]:

@@ -174,9 +174,9 @@ SAVE_EVERY = 4
 RESTART_STEPS = 12
 RESTART_ARGS = [
     *(arg for arg in COMMON if not arg.startswith("data.eval_fraction=")),
-    # An evaluation every 2 steps: the best so far (best/, and the checkpoint kept for it) survives the restart.
+    # An evaluation every 4 steps: the best so far (best/, and the checkpoint kept for it) survives the restart.
     "data.eval_fraction=0.03",
-    "trainer.eval_every_n_steps=2",
+    "trainer.eval_every_n_steps=4",
     "trainer.keep_last_n=1",
     "data.num_workers=2",
     "data.max_rows=600",
