@@ -56,10 +56,7 @@ def time_evaluations(cfg: RunConfig, run_dir: str, store_port: int | None) -> No
 
 
 def eval_config(data: str | None, ranks: int, eval_rows: int, output: Path) -> RunConfig:
-    from hydra import compose, initialize_config_dir
-
-    from ddptrain.__main__ import CONF_DIR
-    from ddptrain.config import register_configs, to_run_config
+    from ddptrain.preview import compose_run_config
 
     rows = 4 * eval_rows + 1
     overrides = [
@@ -74,9 +71,7 @@ def eval_config(data: str | None, ranks: int, eval_rows: int, output: Path) -> R
     ]
     if data:
         overrides += ["data=alpaca", f"data.path={data}"]
-    register_configs()
-    with initialize_config_dir(CONF_DIR, version_base="1.3"):
-        return to_run_config(compose("train", overrides=overrides))
+    return compose_run_config(overrides, None, "train")
 
 
 def bench_eval(args: argparse.Namespace) -> None:
@@ -113,21 +108,16 @@ def padded_per_rank(lengths: list[int], micro_batch_size: int, plan: list[list[l
 
 def bench_save_check(model: str, repeats: int) -> dict[str, float]:
     """Seconds to save a checkpoint without and with the check, and of the check alone (fastest of ``repeats``)."""
-    from hydra import compose, initialize_config_dir
-
     from ddptrain import checkpoint
-    from ddptrain.__main__ import CONF_DIR
-    from ddptrain.config import register_configs, to_run_config
     from ddptrain.evaluation.save_check import Probe, SaveCheck
     from ddptrain.model import build_model, build_tokenizer
     from ddptrain.precision import TORCH_DTYPES
+    from ddptrain.preview import compose_run_config
 
     overrides = [f"model={model}", "trainer.device=cpu"]
     if model != "tiny_qwen2":
         overrides += ["model.init=random", "model.tokenizer=${asset:tiny_tokenizer}"]
-    register_configs()
-    with initialize_config_dir(CONF_DIR, version_base="1.3"):
-        cfg = to_run_config(compose("train", overrides=overrides))
+    cfg = compose_run_config(overrides, None, "train")
     torch.manual_seed(0)
     module = build_model(cfg.model, seed=0, device=torch.device("cpu"))
     for name, p in module.named_parameters():
