@@ -57,7 +57,7 @@ class Evaluator:
         if self.samples is not None:
             self.clock.enter("samples", step)
             start = time.perf_counter()
-            rows, _ = self.samples(self.loss_module.model, step, self.autocast, self.device)
+            rows = self.samples(self.loss_module.model, step, self.autocast, self.device)
             record["samples_s"] = time.perf_counter() - start  # generating, and waiting for the slowest rank
             self.metrics.log_samples(step, rows)
         if len(record) > 1:  # something was evaluated

@@ -8,7 +8,6 @@ brings every completion to rank 0, which writes them (the other ranks' metrics l
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from ddptrain.data.prompts import PromptRenderer, read_prompts
 
 
 @dataclass(frozen=True)
-class Prompt:
+class RenderedPrompt:
     """One prompt: as the user gave it (a text or a row) and the token ids it renders to."""
 
     given: Any
@@ -69,7 +68,7 @@ class SampleRound:
 
     def __init__(
         self,
-        prompts: list[Prompt],
+        prompts: list[RenderedPrompt],
         max_new_tokens: int,
         tokenizer: Any,
         stop_ids: list[int],
@@ -81,10 +80,9 @@ class SampleRound:
 
     def __call__(
         self, model: nn.Module, step: int, autocast: Callable[[], AbstractContextManager], device: torch.device
-    ) -> tuple[list[dict[str, Any]], float]:
-        """Every prompt's completion at ``step`` (the same list on every rank, in prompt order) and the seconds this
-        rank spent generating. Every rank calls it: the gather at the end is a collective."""
-        start = time.perf_counter()
+    ) -> list[dict[str, Any]]:
+        """Every prompt's completion at ``step``: the same list on every rank, in prompt order. Every rank calls it:
+        the gather at the end is a collective."""
         was_training = model.training
         model.eval()
         with autocast():
@@ -98,9 +96,8 @@ class SampleRound:
             )
         model.train(was_training)
         mine = [(i, self._row(step, i, tokens)) for i, tokens in zip(self.mine, ids)]
-        seconds = time.perf_counter() - start
         gathered = sorted((pair for rank in parallel.all_gather_object(mine) for pair in rank), key=lambda p: p[0])
-        return [row for _, row in gathered], seconds
+        return [row for _, row in gathered]
 
     def _row(self, step: int, index: int, tokens: list[int]) -> dict[str, Any]:
         """The completion's text (up to its stop token), its token count, and how it ended: the stop token it wrote
@@ -128,5 +125,5 @@ def build_samples(
     if cfg.eval_prompts is None:
         return None
     renderer = PromptRenderer(data_cfg, tokenizer)
-    prompts = [Prompt(given, renderer.ids(given)) for given in read_prompts(cfg.eval_prompts)]
+    prompts = [RenderedPrompt(given, renderer.ids(given)) for given in read_prompts(cfg.eval_prompts)]
     return SampleRound(prompts, cfg.eval_max_new_tokens, tokenizer, renderer.stop_ids(), rank, world_size)
