@@ -16,7 +16,8 @@ the ``best/`` copied from it are two calls), onto rank 0's device in the run's `
 base weights for the duration of the check (the memory plan counts it: ``plan.budget``). Logits are
 compared without autocast on the attended positions, within ``LOAD_TOLERANCE`` (the adapter) and
 ``MERGE_TOLERANCE`` (the merged model) of the dtype. A failure raises ``SaveCheckError`` naming the file and the
-difference.
+difference. A diverged run (NaN or infinite logits in the training model itself) saves with a warning: its files
+must then give the same NaNs and infinities in the same places, and the finite logits within the bounds.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class SaveCheck:
             reference = self._mirror_logits(base, live)
         else:
             reference = self._logits(self.model)
+        self._warn_if_diverged(reference)
         worst, merged_diff = 0.0, 0.0
         for k, (folder, shown) in enumerate(folders):
             loaded = _load_adapter(base, folder)
@@ -136,6 +138,20 @@ class SaveCheck:
             "save_check_merged_max_abs_diff": merged_diff,
             "save_check_folders": names,
         }
+
+    def _warn_if_diverged(self, reference: torch.Tensor) -> None:
+        """Training went on past NaN or infinite weights: the check still proves the files hold what the model holds
+        (the same NaNs in the same places), but what it holds is no use, and the user should hear it here too."""
+        attended = reference[self.probe.attention_mask.to(reference.device).bool()]
+        bad = int((~torch.isfinite(attended)).sum())
+        if bad:
+            log.warning(
+                "save check: %d of the training model's %d logits on the probe batch are NaN or infinite: "
+                "the run has diverged (a lower optim.lr or a longer optim.warmup_steps helps); its "
+                "adapter is saved as it is.",
+                bad,
+                attended.numel(),
+            )
 
     def _live_weights(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors as peft saves them, under the keys it saves them (``get_peft_model_state_dict``)."""
@@ -194,14 +210,28 @@ class SaveCheck:
         return out.logits.float()
 
     def _compare(self, got: torch.Tensor, reference: torch.Tensor, shown: Path, merged: bool) -> float:
+        """The largest |Δlogit| where the training model's logits are finite; where they are not (a diverged run), the
+        loaded model must give the same NaN or infinity there: a NaN minus a NaN is no proof of a wrong adapter."""
         attended = self.probe.attention_mask.to(reference.device).bool()
-        diff = float((got - reference).abs()[attended].max())
-        scale = max(1.0, float(reference.abs()[attended].max()))
+        got, reference = got[attended], reference[attended]
+        finite = torch.isfinite(reference)
+        how = "merged into its base (merge_and_unload)" if merged else "loaded onto its base"
+        same_non_finite = (got[~finite] == reference[~finite]) | (got[~finite].isnan() & reference[~finite].isnan())
+        if not same_non_finite.all() or not torch.isfinite(got[finite]).all():
+            raise SaveCheckError(
+                f"{shown / ADAPTER_FILE}: {how} with plain peft, it computes other logits than the training model: "
+                "NaN or infinite where the training model's are not, or the other way round, on the probe batch. "
+                "The saved adapter is not the trained one."
+            )
+        if not finite.any():
+            return 0.0
+        diff = float((got[finite] - reference[finite]).abs().max())
+        scale = max(1.0, float(reference[finite].abs().max()))
         if merged:
-            bound, how = MERGE_TOLERANCE[self.dtype] * scale, "merged into its base (merge_and_unload)"
+            bound = MERGE_TOLERANCE[self.dtype] * scale
         else:
             absolute = self.dtype == torch.float32
-            bound, how = LOAD_TOLERANCE[self.dtype] * (1.0 if absolute else scale), "loaded onto its base"
+            bound = LOAD_TOLERANCE[self.dtype] * (1.0 if absolute else scale)
         if not diff <= bound:
             raise SaveCheckError(
                 f"{shown / ADAPTER_FILE}: {how} with plain peft, it computes other logits than the training model: "

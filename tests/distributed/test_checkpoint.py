@@ -174,9 +174,14 @@ SAVE_EVERY = 4
 RESTART_STEPS = 12
 RESTART_ARGS = [
     *(arg for arg in COMMON if not arg.startswith("data.eval_fraction=")),
-    # An evaluation every 4 steps: the best so far (best/, and the checkpoint kept for it) survives the restart.
+    # An evaluation every 4 steps: the best so far (best/, and the checkpoint kept for it) survives the restart. The
+    # learning rate climbs past what the model takes, so the eval loss falls to step 8 and rises at step 12: the best
+    # is not the last evaluation.
     "data.eval_fraction=0.03",
     "trainer.eval_every_n_steps=4",
+    "optim.lr=1.0",
+    "optim.scheduler=constant",
+    "optim.warmup_steps=12",
     "trainer.keep_last_n=1",
     "data.num_workers=2",
     "data.max_rows=600",
@@ -191,6 +196,8 @@ def uninterrupted_restart_run(tmp_path_factory) -> Path:
     process: what it is compared with is the command line's)."""
     ref = train_in_process(tmp_path_factory.mktemp("ref") / "run", ["parallel=ddp2", *RESTART_ARGS])
     assert read_metrics(ref)[-1]["step"] == RESTART_STEPS
+    best = json.loads((ref / "best" / "best.json").read_text())["step"]
+    assert best < RESTART_STEPS, "the best evaluation must not be the last one, or keeping it proves nothing"
     return ref
 
 

@@ -5,6 +5,7 @@ diagnosis reads of evaluations and checks."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -175,6 +176,26 @@ def test_the_save_check_refuses_a_corrupted_adapter_naming_the_file(tmp_path, tr
     assert str(folder / "adapter_model.safetensors") in str(refused.value)
 
 
+@pytest.mark.parametrize("on_cpu", [False, True], ids=["beside-the-model", "mirrored-on-the-host"])
+def test_a_diverged_model_saves_with_a_warning_and_its_nans_must_match(tmp_path, trained_lora, on_cpu, caplog) -> None:
+    """A run that trained past NaN weights (a learning rate too high) computes NaN logits: its adapter, saved as it
+    is, loads and computes the same NaNs, so the save passes with a warning rather than failing the run as "not the
+    trained one"; an adapter that holds finite numbers where the model holds NaN is still refused."""
+    cfg, model, tokenizer = trained_lora
+    diverged = copy.deepcopy(model)
+    lora_a = next(
+        p for name, p in diverged.named_parameters() if name.endswith("layers.0.mlp.down_proj.lora_A.default.weight")
+    )
+    lora_a.data[0, 0] = math.nan
+    with caplog.at_level(logging.WARNING, logger="ddptrain.checkpoint"):
+        folder, check = saved_adapter(tmp_path, (cfg, diverged, tokenizer), on_cpu)
+    assert "the run has diverged" in caplog.text
+    assert check([(folder, folder)])["save_check_max_abs_diff"] == 0.0
+    rewrite(folder, lambda w: {k: v.nan_to_num(0.0) for k, v in w.items()})
+    with pytest.raises(SaveCheckError, match="NaN or infinite where the training model's are not"):
+        check([(folder, folder)])
+
+
 @pytest.mark.parametrize("kind", ["module-prefix", "zeroed-lora_B", "dropped-key"])
 def test_a_corrupted_save_fails_the_run_and_leaves_no_checkpoint(tmp_path, monkeypatch, kind) -> None:
     """The weights as saved are corrupted on the way to disk (as a wrapper's prefix, a lost tensor or a half-written
@@ -250,28 +271,34 @@ def test_evaluations_and_save_checks_show_apart_from_the_steps_and_break_no_hist
 
 
 def test_a_run_resumed_into_another_folder_keeps_the_best_it_resumed_from(tmp_path) -> None:
-    """A run resumed from another run's checkpoint (trainer.resume=<run>) starts a new folder: the best so far, its
-    step and its adapter, come along, and the early-stopping count with them."""
-    evaluated = [*TINY, "data.max_rows=96", "data.eval_fraction=0.2", "trainer.eval_every_n_steps=1"]
-    cfg = compose_config([*evaluated, "trainer.max_steps=3", "trainer.early_stopping.patience=5"])
+    """A run resumed after its best step from another run's checkpoint (trainer.resume=<run>) starts a new folder:
+    the best so far, its step and its adapter (not the last step's), come along, and the early-stopping count with
+    them."""
+    # The learning rate warms up past what the model takes: the eval loss falls to step 3, then rises at step 4.
+    climbing = ["optim.lr=1.0", "optim.scheduler=constant", "optim.warmup_steps=3"]
+    evaluated = [*TINY, "data.max_rows=96", "data.eval_fraction=0.2", "trainer.eval_every_n_steps=1", *climbing]
+    cfg = compose_config([*evaluated, "trainer.max_steps=4", "trainer.early_stopping.patience=5"])
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
     try:
         first = Trainer(cfg, env, tmp_path / "first")
         first.fit()
-        resumed_cfg = compose_config([*evaluated, "trainer.max_steps=4", f"trainer.resume={tmp_path / 'first'}"])
+        resumed_cfg = compose_config([*evaluated, "trainer.max_steps=5", f"trainer.resume={tmp_path / 'first'}"])
         resumed = Trainer(resumed_cfg, env, tmp_path / "second")
     finally:
         parallel.teardown()
     named = json.loads((tmp_path / "first" / "best" / "best.json").read_text())
-    assert (resumed.step, resumed.best.best_step, resumed.best.best_value) == (3, named["step"], named["eval_loss"])
+    assert named["step"] < 4 and first.best.evals_without_improvement > 0, "the best must not be the last evaluation"
+    assert (resumed.step, resumed.best.best_step, resumed.best.best_value) == (4, named["step"], named["eval_loss"])
     assert resumed.best.evals_without_improvement == first.best.evals_without_improvement
     assert json.loads((tmp_path / "second" / "best" / "best.json").read_text()) == named
-    copied, source = (
-        load_file(str(p / "best" / "adapter_model.safetensors")) for p in (tmp_path / "second", tmp_path / "first")
+    copied, source, last = (
+        load_file(str(p / "adapter_model.safetensors"))
+        for p in (tmp_path / "second" / "best", tmp_path / "first" / "best", tmp_path / "first" / "adapter")
     )
     assert all(torch.equal(copied[k], source[k]) for k in source)
+    assert not all(torch.equal(copied[k], last[k]) for k in last), "best/ holds the last step's adapter"
 
 
 def test_pruning_keeps_the_best_by_the_metrics_direction_and_the_newest(tmp_path, trained_lora) -> None:
