@@ -274,25 +274,30 @@ def test_a_run_resumed_into_another_folder_keeps_the_best_it_resumed_from(tmp_pa
     """A run resumed after its best step from another run's checkpoint (trainer.resume=<run>) starts a new folder:
     the best so far, its step and its adapter (not the last step's), come along, and the early-stopping count with
     them."""
-    # The learning rate warms up past what the model takes: the eval loss falls to step 3, then rises at step 4.
-    climbing = ["optim.lr=1.0", "optim.scheduler=constant", "optim.warmup_steps=3"]
+    # The learning rate warms up past what the model takes: the eval loss falls to step 6, then rises at 7 and 8.
+    climbing = ["optim.lr=2.0", "optim.scheduler=constant", "optim.warmup_steps=4"]
     evaluated = [*TINY, "data.max_rows=96", "data.eval_fraction=0.2", "trainer.eval_every_n_steps=1", *climbing]
-    cfg = compose_config([*evaluated, "trainer.max_steps=4", "trainer.early_stopping.patience=5"])
+    cfg = compose_config([*evaluated, "trainer.max_steps=7", "trainer.early_stopping.patience=5"])
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
     try:
         first = Trainer(cfg, env, tmp_path / "first")
         first.fit()
-        resumed_cfg = compose_config([*evaluated, "trainer.max_steps=5", f"trainer.resume={tmp_path / 'first'}"])
+        resumed_cfg = compose_config([*evaluated, "trainer.max_steps=8", f"trainer.resume={tmp_path / 'first'}"])
         resumed = Trainer(resumed_cfg, env, tmp_path / "second")
+        named = json.loads((tmp_path / "first" / "best" / "best.json").read_text())
+        assert named["step"] < 7 and first.best.evals_without_improvement > 0, "the best must not be the last eval"
+        assert (resumed.step, resumed.best.best_step, resumed.best.best_value) == (7, named["step"], named["eval_loss"])
+        assert resumed.best.evals_without_improvement == first.best.evals_without_improvement
+        assert json.loads((tmp_path / "second" / "best" / "best.json").read_text()) == named
+        resumed.fit()  # one more step and evaluation, no better (the learning rate is past what the model takes)
     finally:
         parallel.teardown()
-    named = json.loads((tmp_path / "first" / "best" / "best.json").read_text())
-    assert named["step"] < 4 and first.best.evals_without_improvement > 0, "the best must not be the last evaluation"
-    assert (resumed.step, resumed.best.best_step, resumed.best.best_value) == (4, named["step"], named["eval_loss"])
-    assert resumed.best.evals_without_improvement == first.best.evals_without_improvement
-    assert json.loads((tmp_path / "second" / "best" / "best.json").read_text()) == named
+    _, second = read_metrics(tmp_path / "second")
+    assert [r["step"] for r in second] == [8] and second[0]["eval_loss"] > named["eval_loss"]
+    assert json.loads((tmp_path / "second" / "best" / "best.json").read_text()) == named, "the old best still wins"
+    assert resumed.best.evals_without_improvement == first.best.evals_without_improvement + 1
     copied, source, last = (
         load_file(str(p / "adapter_model.safetensors"))
         for p in (tmp_path / "second" / "best", tmp_path / "first" / "best", tmp_path / "first" / "adapter")
