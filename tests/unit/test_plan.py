@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 import pytest
 import torch
@@ -142,6 +143,16 @@ def test_the_command_says_whether_the_run_fits_and_what_would_make_it(capsys, da
     assert "DOES NOT FIT: predicted peak" in out
     levers = out.split("levers (")[1].splitlines()[1:]
     assert {line.split()[0] for line in levers} >= {"model.gradient_checkpointing=true", "data.max_length=256"}
+    # The largest micro-batch it names fits the same device, and one row more does not (the real batches of these
+    # rows are padded to data.max_length: the longest row of any batch reaches it).
+    largest = int(re.search(r"largest that fits: data.micro_batch_size=(\d+) at data.max_length=512", out).group(1))
+    assert main([*common, "plan.device_memory_gb=0.04", f"data.micro_batch_size={largest}", "--no-levers"]) == 0
+    assert "fits: predicted peak" in capsys.readouterr().out
+    assert (
+        main([*common, "plan.device_memory_gb=0.04", f"data.micro_batch_size={largest + 1}", "--no-levers"])
+        == DOES_NOT_FIT
+    )
+    assert "DOES NOT FIT" in capsys.readouterr().out
     assert main([*common, "plan.device_memory_gb=8", "--no-levers"]) == 0
     assert "fits: predicted peak" in capsys.readouterr().out
     assert main([*common, "plan.device_memory_gb=-1"]) == 2
