@@ -65,15 +65,16 @@ def five_layer_qwen2(folder: Path) -> Path:
     return folder
 
 
-def test_the_plan_predicts_the_peak_a_step_adds_on_each_rank_within_15_percent(tmp_path) -> None:
+def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_within_15_percent(tmp_path) -> None:
     """A 2-rank run of a 5-layer model, 6 rows of up to 2,048 tokens per micro-batch (padded: a mask in every layer),
     whose activations dominate (over 1 GiB per rank): each rank's plan, made at start from the real data through the
     real sampler, predicts within 15% the peak resident memory its first step adds (the costliest,
-    data.costliest_first; measured with the peak reset right before the step), each rank handing freed memory back
-    to the system (``workers_evaluation.hand_freed_memory_back``) so that its resident set follows what is alive."""
+    data.costliest_first) and the peak its evaluation adds (the costliest eval micro-batch, on the rank it goes to),
+    each measured with the peak reset right before, each rank handing freed memory back to the system
+    (``workers_evaluation.hand_freed_memory_back``) so that its resident set follows what is alive."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    rows = long_text_rows(tmp_path / "long.jsonl", rows=24, words=(600, 1300))
+    rows = long_text_rows(tmp_path / "long.jsonl", rows=36, words=(600, 1300))
     cfg = compose_config(
         [
             "parallel=ddp2",
@@ -84,7 +85,8 @@ def test_the_plan_predicts_the_peak_a_step_adds_on_each_rank_within_15_percent(t
             "data.max_length=2048",
             "data.micro_batch_size=6",
             "data.costliest_first=true",
-            "data.eval_fraction=0",
+            "data.eval_fraction=0.34",  # 12 eval rows: a micro-batch of 6 for each rank
+            "trainer.eval_every_n_steps=1",
             "trainer.max_steps=1",
             "trainer.save_final=false",
             "trainer.progress_bar=false",
@@ -93,12 +95,22 @@ def test_the_plan_predicts_the_peak_a_step_adds_on_each_rank_within_15_percent(t
         ]
     )
     launch(cfg, run_dir, entrypoint=train_a_step_measuring_its_memory)
-    for rank in (0, 1):
-        measured = json.loads((run_dir / f"memory-rank{rank}.json").read_text())
-        assert measured["padded"] > measured["tokens"], "some row is shorter than the micro-batch's width"
-        predicted = measured["predicted_allocated_gb"] * GIB - measured["weights"]  # the weights were there before
-        assert predicted >= GIB, f"rank {rank}: activations must dominate, predicted {predicted / GIB:.3f} GiB"
-        error = abs(predicted - measured["increase"]) / measured["increase"]
-        assert error <= 0.15, (
-            f"rank {rank}: predicted {predicted / GIB:.3f} GiB, the step added {measured['increase'] / GIB:.3f} GiB"
-        )
+    measured = [json.loads((run_dir / f"memory-rank{rank}.json").read_text()) for rank in (0, 1)]
+    predicted = [m["predicted_allocated_gb"] * GIB - m["weights"] for m in measured]  # the weights were there before
+    assert max(predicted) >= GIB, f"activations must dominate, predicted {max(predicted) / GIB:.3f} GiB"
+    added = [m["step_increase"] for m in measured]
+    assert min(added) < 0.85 * max(added), "the ranks' micro-batches must differ, or one plan would do for both"
+    for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
+        assert m["padded"] > m["tokens"], f"rank {rank}: some row must be shorter than the micro-batch's width"
+        error = abs(p - m["step_increase"]) / m["step_increase"]
+        assert error <= 0.15, f"rank {rank}: predicted {p / GIB:.3f} GiB, the step added {m['step_increase'] / GIB:.3f}"
+    # The evaluation: the plan's eval peak (its costliest eval micro-batch, on whichever rank it goes to) less what was
+    # alive before it: the weights, and the LoRA parameters' gradients and AdamW states, 1.2 MB here, which the
+    # prediction counts too. The other rank's eval batches cost less.
+    predicted_eval = measured[0]["predicted_eval_gb"] * GIB - measured[0]["weights"]
+    assert all(m["eval_padded"] > 0 for m in measured), "each rank evaluates a micro-batch"
+    costliest = max(m["eval_increase"] for m in measured)
+    assert abs(predicted_eval - costliest) / costliest <= 0.15, (
+        f"predicted {predicted_eval / GIB:.3f} GiB for evaluation, it added {costliest / GIB:.3f} GiB"
+    )
+    assert all(m["eval_increase"] <= 1.15 * predicted_eval for m in measured)

@@ -78,34 +78,50 @@ def hand_freed_memory_back() -> None:
 
 
 def train_a_step_measuring_its_memory(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
-    """The real Trainer, planned at start (plan.at_start=true), trains one step; around it each rank resets its peak
-    resident set (``clear_refs`` 5) and reads what the step added. Writes ``memory-rank{N}.json``: the increase, the
-    plan's prediction for this rank (as the allocator counts it) and the weights' bytes, counted on the real model."""
+    """The real Trainer, planned at start (plan.at_start=true), trains one step and evaluates; around each, every rank
+    resets its peak resident set (``clear_refs`` 5) and reads what it added. Writes ``memory-rank{N}.json``: the
+    increases, the eval tokens this rank ran, the plan's predictions for this rank (training as the allocator counts
+    it, and evaluation) and the weights' bytes, counted on the real model."""
     hand_freed_memory_back()
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
     try:
         setup_logging(env.rank, None)
         trainer = Trainer(cfg, env, Path(run_dir))
         measured: dict[str, int] = {}
-        real_step = trainer.train_step
 
-        def measured_step(micro_batches, **kwargs):
-            gc.collect()
-            Path("/proc/self/clear_refs").write_text("5")
-            before = resident_bytes()
-            result = real_step(micro_batches, **kwargs)
-            measured.update(before=before, peak=peak_resident_bytes())
+        def measuring(name: str, call):
+            def measured_call(*args, **kwargs):
+                gc.collect()
+                Path("/proc/self/clear_refs").write_text("5")
+                before = resident_bytes()
+                result = call(*args, **kwargs)
+                measured[f"{name}_increase"] = peak_resident_bytes() - before
+                return result
+
+            return measured_call
+
+        real_step, real_batches = trainer.train_step, trainer.evaluate.eval_batches
+
+        def step(micro_batches, **kwargs):
             measured["padded"] = sum(b["input_ids"].numel() for b in micro_batches)
             measured["tokens"] = sum(int(b["attention_mask"].sum()) for b in micro_batches)
-            return result
+            return real_step(micro_batches, **kwargs)
 
-        trainer.train_step = measured_step
+        def eval_batches():
+            measured["eval_padded"] = 0
+            for batch in real_batches():
+                measured["eval_padded"] += batch["input_ids"].numel()
+                yield batch
+
+        trainer.train_step = measuring("step", step)
+        trainer.evaluate.eval_batches = eval_batches
+        trainer.evaluate = measuring("eval", trainer.evaluate)
         trainer.fit()
         weights = sum(p.numel() * p.element_size() for p in trainer.loss_module.parameters())
         record = {
             **measured,
-            "increase": measured["peak"] - measured["before"],
             "predicted_allocated_gb": trainer.memory_plan.allocated_gb[env.rank],
+            "predicted_eval_gb": trainer.memory_plan.eval_gb,
             "weights": weights,
         }
         (Path(run_dir) / f"memory-rank{env.rank}.json").write_text(json.dumps(record))
