@@ -1,5 +1,5 @@
 """Around the steps, on 2 gloo ranks: the samples' generation holds no collective (a rank generates while the other
-is away), and the memory plan predicts the peak a real step adds on each rank (issue 24)."""
+is away), and the memory plan predicts the peak a real step and an evaluation add on each rank (issue 24)."""
 
 from __future__ import annotations
 
