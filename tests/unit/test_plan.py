@@ -19,7 +19,7 @@ from ddptrain.data.loader import build_batching_spec
 from ddptrain.data.sampler import DistributedBatchSampler
 from ddptrain.model import build_model, build_tokenizer
 from ddptrain.plan.__main__ import DOES_NOT_FIT, main
-from ddptrain.plan.at_start import plan_at_start
+from ddptrain.plan.at_start import RunDoesNotFit, plan_at_start
 from ddptrain.plan.planner import make_plan
 from ddptrain.plan.simulate import BatchShape, FakeModel
 from tests.conftest import compose_config
@@ -203,3 +203,13 @@ def test_a_starting_run_logs_its_plan_and_starts_where_it_does_not_fit_when_told
     with caplog.at_level(logging.INFO, logger="ddptrain.plan"):
         assert plan_at_start(anyway, data, rank=0, world_size=1).train_gb == prediction.train_gb
     assert "DOES NOT FIT" in caplog.text and "starting anyway: plan.stop_if_no_fit=false" in caplog.text
+    # Stopping, it names settings that fit: each of them, planned again on the same device, fits.
+    stopping = dataclasses.replace(cfg, plan=PlanConfig(device_memory_gb=0.065))
+    with pytest.raises(RunDoesNotFit, match="predicted to fit with") as refused:
+        plan_at_start(stopping, data, rank=0, world_size=1)
+    named = str(refused.value).split("predicted to fit with ")[1].split(". Nothing was loaded")[0].split("; or ")
+    assert len(named) >= 2, str(refused.value)
+    for fix in named:
+        overrides = fix.rsplit(" (", 1)[0].replace(" at ", " ").split()
+        common = ["parallel=single", "data.max_rows=400", f"data.cache_dir={datasets_cache}"]
+        assert main([*common, *overrides, "plan.device_memory_gb=0.065", "--no-levers"]) == 0, fix
