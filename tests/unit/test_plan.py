@@ -146,7 +146,7 @@ def test_each_ranks_costliest_micro_batch_is_the_one_its_sampler_hands_it_in_any
         later_epochs_cost_more |= most > max(b[1:3] for b in own if b[3] == 0)
         # The batches as built for real: the most padded tokens (and any tied), the widest if it is this rank's.
         built = [
-            collate([[rows[i] for i in row] for row in b[4]]) for b in own if most == b[1:3] or widest == b[2:0:-1]
+            collate([[rows[i] for i in row] for row in b[4]]) for b in own if most == b[1:3] or widest == (b[2], b[1])
         ]
         costliest = {(*c["input_ids"].shape, c["target_index"].numel()) for c in built}
         shape = planned.candidate.shape
@@ -209,7 +209,9 @@ def test_a_starting_run_logs_its_plan_and_starts_where_it_does_not_fit_when_told
         plan_at_start(stopping, data, rank=0, world_size=1)
     named = str(refused.value).split("predicted to fit with ")[1].split(". Nothing was loaded")[0].split("; or ")
     assert len(named) >= 2, str(refused.value)
+    common = ["parallel=single", "data.max_rows=400", f"data.cache_dir={datasets_cache}"]
     for fix in named:
-        overrides = fix.rsplit(" (", 1)[0].replace(" at ", " ").split()
-        common = ["parallel=single", "data.max_rows=400", f"data.cache_dir={datasets_cache}"]
+        overrides = (
+            fix.rsplit(" (", 1)[0].replace(" at ", " ").split()
+        )  # "data.micro_batch_size=3 at data.max_length=512"
         assert main([*common, *overrides, "plan.device_memory_gb=0.065", "--no-levers"]) == 0, fix
