@@ -211,7 +211,6 @@ def test_a_starting_run_logs_its_plan_and_starts_where_it_does_not_fit_when_told
     assert len(named) >= 2, str(refused.value)
     common = ["parallel=single", "data.max_rows=400", f"data.cache_dir={datasets_cache}"]
     for fix in named:
-        overrides = (
-            fix.rsplit(" (", 1)[0].replace(" at ", " ").split()
-        )  # "data.micro_batch_size=3 at data.max_length=512"
+        # "data.max_length=256 (0.06 GiB)", "data.micro_batch_size=3 at data.max_length=512 (the largest that fits)"
+        overrides = fix.rsplit(" (", 1)[0].replace(" at ", " ").split()
         assert main([*common, *overrides, "plan.device_memory_gb=0.065", "--no-levers"]) == 0, fix
