@@ -67,8 +67,8 @@ def five_layer_qwen2(folder: Path) -> Path:
 
 def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_within_15_percent(tmp_path) -> None:
     """A 2-rank run of a 5-layer model, 6 rows of up to 2,048 tokens per micro-batch (padded: a mask in every layer),
-    whose activations dominate (over 1 GiB per rank): each rank's plan, made at start from the real data through the
-    real sampler, predicts within 15% the peak resident memory its first step adds (the costliest,
+    whose activations dominate (over 1 GiB on the fuller rank): each rank's plan, made at start from the real data
+    through the real sampler, predicts within 15% the peak resident memory its first step adds (the costliest,
     data.costliest_first) and the peak its evaluation adds (the costliest eval micro-batch, on the rank it goes to),
     each measured with the peak reset right before, each rank handing freed memory back to the system
     (``workers_evaluation.hand_freed_memory_back``) so that its resident set follows what is alive."""
@@ -85,7 +85,7 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
             "data.max_length=2048",
             "data.micro_batch_size=6",
             "data.costliest_first=true",
-            "data.eval_fraction=0.34",  # 12 eval rows: a micro-batch of 6 for each rank
+            "data.eval_fraction=0.34",  # about 12 eval rows, in micro-batches of up to 6: each rank gets some
             "trainer.eval_every_n_steps=1",
             "trainer.max_steps=1",
             "trainer.save_final=false",
