@@ -128,7 +128,8 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
 
     Exit codes of ``python -m ddptrain``: 0 finished; 75 stopped by SIGTERM, SIGUSR2 or Ctrl-C after saving a
     checkpoint (``signals.STOPPED_EXIT_CODE``: the same command with ``trainer.resume=<run dir>``
-    continues); 130 aborted by a second Ctrl-C; 1 failed. Under torchrun a rank stopped by a
+    continues); 65 diverged (a step's loss or gradient norm was not finite: trainer.on_nonfinite); 130 aborted by a
+    second Ctrl-C; 1 failed. Under torchrun a rank stopped by a
     signal exits 0: a non-zero exit would make ``torchrun --max-restarts`` restart the group. So do the
     ranks other than 0 of a scheduler's job whose tasks are its ranks (rank 0 exits 75).
 
@@ -172,7 +173,7 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
         result = worker(cfg, str(run_dir), None, start)
     else:
         result = _self_launch(cfg, run_dir, console)
-    _exit_if_stopped(result, run_dir, start, console)
+    _exit_if_stopped_or_diverged(result, run_dir, start, console)
     return objective(result)
 
 
@@ -313,10 +314,16 @@ def _self_launch(cfg: RunConfig, run_dir: Path, console: Console | NullConsole) 
         sys.exit(signals.ABORTED_EXIT_CODE)
 
 
-def _exit_if_stopped(
+def _exit_if_stopped_or_diverged(
     result: dict[str, Any] | None, run_dir: Path, start: Start, console: Console | NullConsole
 ) -> None:
-    """After SIGTERM or Ctrl-C: one line saying where the checkpoint is, and the exit code for it."""
+    """After SIGTERM or Ctrl-C: one line saying where the checkpoint is, and the exit code for it. After a divergence
+    (trainer.on_nonfinite): the step and what to change, and exit 65 on every rank, under torchrun too."""
+    from ddptrain.observe.nonfinite import DIVERGED, divergence_message
+
+    if result and DIVERGED in result:
+        console.say(f"ddptrain: {divergence_message(result[DIVERGED])}")
+        sys.exit(signals.DIVERGED_EXIT_CODE)
     if not result or signals.STOPPED_BY not in result:
         return
     how = f"stopped by {result[signals.STOPPED_BY]}"
@@ -433,6 +440,7 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
 
     from ddptrain import parallel
     from ddptrain.observe.console import build_console, done_line, setup_logging
+    from ddptrain.observe.nonfinite import DIVERGED
     from ddptrain.observe.run_files import build_run_files
     from ddptrain.precision import settle_precision
     from ddptrain.trainer import Trainer
@@ -458,7 +466,7 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
         with _watching_for_hangs(cfg, env, hang_dir, start.restart_count):
             trainer = Trainer(cfg, env, agreed)
             result = trainer.fit()
-        status = "stopped" if signals.STOPPED_BY in result else "finished"
+        status = "stopped" if signals.STOPPED_BY in result else DIVERGED if DIVERGED in result else "finished"
         return result
     finally:
         parallel.teardown()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,8 +13,24 @@ from torch import nn
 from ddptrain.config import OptimConfig, Scheduler
 
 
+class AdamW(torch.optim.AdamW):
+    """torch's fused AdamW, which can drop a step on the device: with ``found_inf`` set to 1 it leaves the weights,
+    the moments and the step count as they were, without the host reading anything (``drop_update_if``).
+
+    A checkpoint's parameter groups carry the ``fused`` and ``foreach`` flags of the optimizer that saved them;
+    loading one keeps this optimizer's, so a checkpoint from a run that stepped another way still drops on the device.
+    """
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        how = [{key: group[key] for key in ("fused", "foreach")} for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, kept in zip(self.param_groups, how):
+            group.update(kept)
+
+
 def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW over parameters with ``requires_grad`` only (frozen base weights get no state).
+    """AdamW over parameters with ``requires_grad`` only (frozen base weights get no state), fused on every device
+    (one kernel per parameter group; the only implementation that drops a step without a host sync).
 
     Matrices get weight decay; biases and norm weights (1-D) do not.
 
@@ -24,10 +43,7 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = all(p.is_cuda for p in trainable)
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None
-    )
+    return AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
 
 
 def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -55,3 +71,64 @@ def clip_gradients(params: list[torch.Tensor], cfg: OptimConfig) -> torch.Tensor
         The total gradient norm before clipping, on the device (reading it would wait for the step).
     """
     return torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
+
+
+@contextlib.contextmanager
+def drop_update_if(optimizer: torch.optim.Optimizer, flag: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, ``optimizer.step()`` leaves everything as it was where ``flag`` (a 0-d float32 tensor on the
+    parameters' device) is 1, and steps as usual where it is 0: the fused kernel reads the flag on the device, so
+    nothing waits for the step to finish. None: step as usual. (fp16's GradScaler hands the fused optimizer its own
+    flag the same way, inside ``scaler.step``; this block is for the steps it does not scale.)
+    """
+    if flag is None:
+        yield
+        return
+    optimizer.found_inf = flag  # type: ignore[attr-defined]  # read by torch's fused AdamW in step()
+    try:
+        yield
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+def step_optimizer(
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    params: list[torch.Tensor],
+    cfg: OptimConfig,
+    drop_nonfinite: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool]:
+    """Unscale, clip, step and schedule. The update is dropped on the device when the gradient norm is not finite
+    and ``drop_nonfinite`` (trainer.on_nonfinite); under fp16 the GradScaler drops overflowing steps itself.
+
+    Returns:
+        The gradient norm, whether it is NaN or infinite (1.0, else 0.0), and whether the update was dropped: device
+        values, unread (nothing here waits for the step to finish).
+    """
+    scaler.unscale_(optimizer)
+    grad_norm = clip_gradients(params, cfg)
+    nonfinite = (~torch.isfinite(grad_norm)).float()  # a 0-d float32: the form the fused optimizer reads
+    # GradScaler lowers its scale (a device tensor, updated in place) exactly when it skips a step;
+    # get_scale() would copy it to the host and wait for the step to finish.
+    scale_before = scaler._scale.clone() if scaler.is_enabled() else None
+    with drop_update_if(optimizer, nonfinite if drop_nonfinite else None):
+        scaler.step(optimizer)
+    scaler.update()
+    scheduler.step()
+    if scale_before is not None:
+        return grad_norm, nonfinite, scaler._scale < scale_before
+    return grad_norm, nonfinite, nonfinite if drop_nonfinite else False
+
+
+def divergence_levers(cfg: OptimConfig) -> list[dict[str, Any]]:
+    """The optim.* settings that calm a diverging run: ``{key, value, set, why}`` as the run report's levers are."""
+    levers = [_lever("optim.lr", float(f"{cfg.lr / 2:.3g}"), "half the learning rate")]
+    levers.append(_lever("optim.warmup_steps", max(2 * cfg.warmup_steps, 100), "a longer warmup"))
+    if cfg.max_grad_norm is None or cfg.max_grad_norm > 1.0:
+        now = "off" if cfg.max_grad_norm is None else f"at {cfg.max_grad_norm:g}"
+        levers.append(_lever("optim.max_grad_norm", 1.0, f"clipping is {now}"))
+    return levers
+
+
+def _lever(key: str, value: Any, why: str) -> dict[str, Any]:
+    return {"key": key, "value": value, "set": f"{key}={value}", "why": why}

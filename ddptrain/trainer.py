@@ -28,8 +28,9 @@ from ddptrain.observe import profiling, timing
 from ddptrain.observe.console import build_progress_bar
 from ddptrain.observe.flops import build_model_flops, matmul_dtype, peak_tflops
 from ddptrain.observe.metrics import build_metrics_logger
+from ddptrain.observe.nonfinite import DIVERGED, Diverged, build_nonfinite_guard
 from ddptrain.observe.window import StepResult, Stopwatch, Window
-from ddptrain.optim import build_optimizer, build_scheduler, clip_gradients
+from ddptrain.optim import build_optimizer, build_scheduler, divergence_levers, step_optimizer
 from ddptrain.parallel import DistEnv
 from ddptrain.plan.at_start import plan_at_start
 from ddptrain.precision import autocast, autocast_dtype
@@ -52,13 +53,9 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.model)
         model.check_tokenizer_embeddable(self.tokenizer, cfg.model)  # before minutes of tokenizing: from the config
         self.data: TrainingData = build_training_data(
-            cfg.data,
-            self.tokenizer,
-            env,
-            seed=cfg.trainer.seed,
-            grad_accum_steps=cfg.optim.grad_accum_steps,
+            cfg.data, self.tokenizer, env, seed=cfg.trainer.seed, grad_accum_steps=cfg.optim.grad_accum_steps,
             flash_varlen=wants_varlen_lengths(cfg.model),
-        )
+        )  # fmt: skip
         self.best = build_best_tracker(cfg.trainer, has_eval=self.data.eval is not None)  # before the weights load
         self.memory_plan = plan_at_start(cfg, self.data.tokenized, env.rank, env.world_size)  # no fit: stops here
         self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer)
@@ -79,6 +76,7 @@ class Trainer:
         precision = autocast_dtype(cfg.trainer, env.device)  # trainer.precision=auto resolved on this device
         self.autocast = partial(autocast, precision, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=precision == DType.fp16)
+        self.guard = build_nonfinite_guard(cfg.trainer, divergence_levers(cfg.optim), self.scaler, env.device)
         self.window = Window()
         self.flops = build_model_flops(self.loss_module, enabled=cfg.trainer.timing)
         self.peak_tflops = peak_tflops(env.device, matmul_dtype(precision, cfg.model.dtype), cfg.trainer.peak_tflops)
@@ -103,37 +101,50 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way. The data position
         lives in the sampler: a resumed run continues mid-epoch where the checkpoint left off. SIGTERM (pre-emption)
-        or a first Ctrl-C saves a checkpoint at the next step boundary and returns (``ddptrain.process.signals``).
-
-        Returns:
-            The last logged metrics record (identical on every rank); after a stop by signal it
-            also holds ``stopped_by`` and ``stopped_at_step``.
-        """
+        or a first Ctrl-C saves a checkpoint at the next step boundary and returns (``ddptrain.process.signals``); a
+        non-finite step stops every rank there as trainer.on_nonfinite says (``ddptrain.observe.nonfinite``). Returns
+        the last logged metrics record (identical on every rank); after a stop by signal it also holds ``stopped_by``
+        and ``stopped_at_step``; after a divergence, only ``diverged`` (its record)."""
         log.info("training %d steps on %d ranks, from step %d", self.total_steps, self.env.world_size, self.step)
+        try:
+            with signals.stop_on_signals() as stop:
+                last, stopping = self.train_steps(stop)
+            with signals.stop_on_signals(stop):  # while saving: a repeat changes nothing, a second Ctrl-C aborts
+                self.guard.read()  # the last step's verdict, before anything of it is evaluated or saved
+                stopped = stopping and self.step < self.total_steps  # a vote read at the last step: just finish
+                return {**last, **(self.save_and_stop(stop) if stopped else self.finish())}
+        except Diverged as diverged:  # every rank at the same step: nothing more is saved; the launcher exits 65
+            last_good = checkpoint.newest_complete(self.run_dir / "checkpoints")
+            return {DIVERGED: self.guard.record(diverged.verdict, last_good, self.metrics)}
+
+    def train_steps(self, stop: Any) -> tuple[dict[str, Any], bool]:
+        """Optimizer steps until the last, a stop request or an early stop: the last metrics record, and whether a
+        stop was requested. Raises ``Diverged`` where trainer.on_nonfinite stops the run."""
         bar = build_progress_bar(self.cfg.trainer.progress_bar, self.env.is_rank_zero, self.total_steps, self.step)
-        watch, last, votes, stopping = Stopwatch(), {}, None, False
-        with signals.stop_on_signals() as stop:
-            self.clock.enter("data", self.step + 1)
+        watch, last, stopping = Stopwatch(), {}, False
+        self.clock.enter("data", self.step + 1)
+        try:
             for micro_batches in self.remaining_steps():
                 self.profiler.step_begins(self.step + 1)
                 with profiling.out_of_memory_named(micro_batches, self.env, self.run_dir):
                     result = self.train_step(micro_batches, stop_requested=stop.requested)
-                # The previous step's stop vote, equal on every rank; its copy has long reached the host.
-                stopping = votes is not None and votes.value() > 0
-                votes = parallel.LateRead(result.stop_votes, self.step + 1)  # self.step: the steps before this one
+                previous = self.guard.read()  # equal on every rank; its copy has long reached the host
+                stopping = previous is not None and previous.stop_votes > 0
+                self.guard.queue(result.verdict, self.step + 1, result.local_loss)
                 last = self.after_step(result, watch, bar) or last
                 if stopping or self.step >= self.total_steps or self.best.should_stop:
                     break
-        bar.close()
-        with signals.stop_on_signals(stop):  # while saving: a repeat changes nothing, a second Ctrl-C aborts
-            if stopping and self.step < self.total_steps:  # a vote read at the last step: just finish
-                self.save()
-                last = {**last, **stop.report(self.step)}
-                by = last[signals.STOPPED_BY]
-                log.info("stopped by %s at step %d; resume with trainer.resume=%s", by, self.step, self.run_dir)
-            else:
-                last = {**last, **self.finish()}
-        return last
+        finally:
+            bar.close()
+        return last, stopping
+
+    def save_and_stop(self, stop: Any) -> dict[str, Any]:
+        """A stop requested (SIGTERM, Ctrl-C) before the last step: a checkpoint, and where to resume from."""
+        self.save()
+        report = stop.report(self.step)
+        by = report[signals.STOPPED_BY]
+        log.info("stopped by %s at step %d; resume with trainer.resume=%s", by, self.step, self.run_dir)
+        return report
 
     def remaining_steps(self) -> Iterator[list[dict[str, Any]]]:
         """Optimizer steps from the data position on, epoch after epoch (``fit`` stops at total_steps)."""
@@ -172,24 +183,16 @@ class Trainer:
             self.scaler.scale(micro_loss * scale).backward()
             loss_sum += micro_loss.detach().float()
         self.clock.enter("optimizer", self.step + 1)
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_gradients(self.trainable, self.cfg.optim)
-        # GradScaler lowers its scale (a device tensor, updated in place) exactly when it skips a step;
-        # get_scale() would copy it to the host and wait for the step to finish.
-        scale_before = self.scaler._scale.clone() if self.scaler.is_enabled() else None
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        overflowed = self.scaler._scale < scale_before if scale_before is not None else False
+        o = self.optimizer, self.scaler, self.scheduler, self.trainable, self.cfg.optim
+        grad_norm, nonfinite, dropped = step_optimizer(*o, drop_nonfinite=self.guard.drops)
+        verdict = self.guard.verdict_of(stop_votes, nonfinite, dropped)  # read a step late (fit)
         self.clock.enter("other", self.step + 1)
-        return StepResult(loss_sum, local_tokens, grad_norm, overflowed, batch_tokens, stop_votes, flops)
+        counted = self.guard.counted(loss_sum, local_tokens)  # what the log window averages
+        return StepResult(*counted, grad_norm, dropped, batch_tokens, verdict, flops, local_loss=loss_sum)
 
     def after_step(self, result: StepResult, watch: Stopwatch, bar: Any) -> dict[str, Any] | None:
-        """Book the step (data position, log window), then log, evaluate and save when due.
-
-        Returns:
-            The metrics record when this step ends a log window, else None.
-        """
+        """Book the step (data position, log window), then log, evaluate and save when due; returns the metrics record
+        when this step ends a log window, else None."""
         self.window.add(result)
         self.sampler.skip(len(result.batch_tokens))  # the micro-batches this step consumed
         self.step += 1
@@ -199,7 +202,10 @@ class Trainer:
             parallel.check_every_trainable_param_has_a_gradient(self.loss_module, self.cfg.parallel)
             parallel.check_trainable_params_agree(self.loss_module)
         record = None
-        if self.step % self.cfg.trainer.log_every_n_steps == 0 or self.step == self.total_steps:
+        logs = self.step % self.cfg.trainer.log_every_n_steps == 0 or self.step == self.total_steps
+        if logs or self.due(self.cfg.trainer.eval_every_n_steps) or self.due(self.cfg.trainer.save_every_n_steps):
+            self.guard.read()  # nothing of a diverged step is logged, evaluated or saved (they wait for the device)
+        if logs:
             self.clock.enter("log", self.step)
             record = self.log_window(watch, result.grad_norm)
             bar.update(record)
@@ -228,11 +234,8 @@ class Trainer:
 
     def finish(self) -> dict[str, Any]:
         """Final evaluation (unless this step was just evaluated: an early stop), the last checkpoint and the adapter.
-
-        Returns:
-            The final eval metrics, and the best evaluation (``best_step``, ``best_value`` of ``best_metric``: what a
-            sweep's job returns) and ``early_stopped`` (why) when there were any.
-        """
+        Returns the final eval metrics, and the best evaluation (``best_step``, ``best_value`` of ``best_metric``: what
+        a sweep's job returns) and ``early_stopped`` (why) when there were any."""
         self.clock.enter("finish", self.step)
         final = self.best.evaluated_at(self.step) or self.evaluate(self.step)
         if self.cfg.trainer.save_final or self.best.wants_checkpoint(self.step) or self.best.should_stop:
@@ -252,6 +255,6 @@ class Trainer:
 
     def close(self, status: str) -> None:
         """After the process group is gone (no rank waits on this): a profile cut short, then on rank 0 the
-        report and the loggers' last word. ``status``: finished, stopped or failed."""
+        report and the loggers' last word. ``status``: finished, stopped, diverged or failed."""
         self.profiler.close()
         self.metrics.close(status)

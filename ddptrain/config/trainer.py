@@ -32,6 +32,18 @@ class SaveCheckMode(str, Enum):
     off = "off"
 
 
+# "continue" is a Python keyword: the functional form names a member after it. OmegaConf reads a choice by its name.
+OnNonFinite = Enum(
+    "OnNonFinite",
+    [("stop", "stop"), ("skip", "skip"), ("continue", "continue")],
+    type=str,
+    module=__name__,
+)
+OnNonFinite.__doc__ = """What a step whose gradient norm is not finite does (trainer.on_nonfinite): stop (its update is
+dropped and every rank stops there), skip (its update is dropped and training goes on, up to trainer.max_skipped_steps
+in a row) or continue (the update is applied, NaN and all)."""
+
+
 EVAL_METRICS = {"eval_loss": False, "eval_perplexity": False, "eval_accuracy": True}
 """What an evaluation measures, each with whether a greater value is better (trainer.best_metric)."""
 PROMPT_FILE_TYPES = (".jsonl", ".txt")
@@ -116,6 +128,17 @@ class TrainerConfig:
     """How long the other ranks wait for rank 0 to write a checkpoint or the final weights. They wait through the
     store, not in a collective, so a save may outlast parallel.timeout_s (tens of GB on network storage); a save
     that fails ends every rank at once, with rank 0's error."""
+    on_nonfinite: OnNonFinite = OnNonFinite.stop
+    """A step whose gradient norm (over all ranks: a NaN or infinite loss on any rank makes it one) is not finite.
+    stop: its update is dropped, every rank stops at that step, nothing more is saved, the last good checkpoint and
+    best/ stay, and the run exits with code 65 naming the step, the first non-finite quantity and the levers. skip:
+    its update is dropped (as fp16's loss scaler drops an overflowing step) and training goes on; trainer.
+    max_skipped_steps in a row stop the run as above. continue: the update is applied (weights may turn NaN).
+    Under trainer.precision=fp16 the loss scaler drops overflowing steps as part of its work, so stop and skip
+    both stop only after trainer.max_skipped_steps in a row."""
+    max_skipped_steps: int = 16
+    """Steps in a row whose update was dropped (trainer.on_nonfinite=skip, or fp16 overflows) that stop the run.
+    16: fp16's loss scale starts at 2^16 and halves at each overflow, so 16 in a row have taken it to 1."""
     resume: str = "auto"
     """auto: continue from this run directory's newest checkpoint, if any; none; or a checkpoint/run folder."""
     save_final: bool = True
@@ -147,6 +170,7 @@ def _check_trainer(t: TrainerConfig) -> list[str]:
     problems += _positive(
         {"trainer.save_timeout_s": t.save_timeout_s, "trainer.eval_max_new_tokens": t.eval_max_new_tokens}
     )
+    problems += _positive({"trainer.max_skipped_steps": t.max_skipped_steps})
     if t.resume not in ("auto", "none") and not os.path.exists(os.path.expanduser(t.resume)):
         problems.append(
             f"trainer.resume={t.resume}: no such folder. Use auto, none, or a run / checkpoints/step-N folder."

@@ -16,6 +16,7 @@ from ddptrain.diagnose.rules import apply_rules
 from ddptrain.diagnose.runs import (
     DiagnoseError,
     RunSettings,
+    divergence,
     log_tail,
     measure_balance,
     measure_split,
@@ -67,6 +68,9 @@ def build_report(run_dir: Path) -> dict:
     th = settings.thresholds()
     findings = apply_rules(summary, by_rank, th)
     levers = choose_levers(findings, summary, by_rank, settings, th)
+    diverged = divergence(run_dir)
+    if diverged is not None:  # whatever its speed, a run that diverged is first of all that: its levers alone
+        findings, levers = [_diverged_finding(diverged), *findings], diverged["levers"]
     verdict = findings[0]["verdict"] if findings else None
     return {
         "run_dir": str(run_dir),
@@ -82,6 +86,16 @@ def build_report(run_dir: Path) -> dict:
     }
 
 
+def _diverged_finding(record: dict) -> dict:
+    """The finding of a run that stopped on a non-finite loss or gradient norm (``observe.nonfinite``)."""
+    what = "the loss" if record["first_nonfinite"] == "loss" else "the gradient norm"
+    ranks = record["nonfinite_loss_ranks"]
+    where = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
+    why = f"{what} was NaN or infinite at step {record['step']}{where}, and the run stopped there"
+    rule = f"a step's gradient norm was not finite, and trainer.on_nonfinite={record['on_nonfinite']} stops the run"
+    return {"verdict": "diverged", "lost_s": None, "share": None, "rule": rule, "why": why, "evidence": record}
+
+
 def _mode(values: Any) -> Any:
     counted = Counter(v for v in values if v is not None)
     return counted.most_common(1)[0][0] if counted else None
@@ -90,6 +104,8 @@ def _mode(values: Any) -> Any:
 def _headline(verdict: str | None, findings: list[dict], s: dict) -> str:
     if verdict is None:
         return "No verdict: trainer.timing was off, so the run logged no time split (loss and tokens/s only)."
+    if verdict == "diverged":
+        return f"diverged: {findings[0]['why']}."
     return f"{verdict}-bound: {findings[0]['why']}."
 
 

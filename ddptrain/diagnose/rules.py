@@ -11,7 +11,7 @@ from typing import Any
 from ddptrain.config import DiagnoseConfig
 from ddptrain.diagnose.runs import MIB, StepSplit, fullest_memory, step_split
 
-VERDICTS = ("compute", "communication", "data", "imbalance", "straggler", "memory")
+VERDICTS = ("compute", "communication", "data", "imbalance", "straggler", "memory", "diverged")
 
 
 # ----------------------------------------------------------------------------- verdict rules

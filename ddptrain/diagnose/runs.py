@@ -79,7 +79,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     previous = None  # the file's last training record so far, kept or not
     for record in _parsed_lines(path):
         step = record["step"]
-        if SAVE_CHECK_KEY in record:  # a save's record, between two training records: not the training history
+        if SAVE_CHECK_KEY in record or DIVERGED_KEY in record:  # a save's record, a divergence: not the history
             continue
         if "eval_loss" in record or "samples_s" in record:
             evals = [e for e in evals if e["step"] != step] + [record]
@@ -95,6 +95,20 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 SAVE_CHECK_KEY = "save_check_s"
 """The key of the record a save's check logs (``evaluation.save_check``)."""
+DIVERGED_KEY = "diverged"
+"""The key of the record a diverged run ends with (``observe.nonfinite``)."""
+
+
+def divergence(run_dir: Path) -> dict | None:
+    """The record of the divergence the run ended with, or None: none was logged, or a later process trained on past
+    it (the run was resumed with other settings)."""
+    found = None
+    for record in _parsed_lines(Path(run_dir) / "metrics.jsonl"):
+        if DIVERGED_KEY in record:
+            found = record
+        elif found is not None and "loss" in record and record["step"] > found["step"]:
+            found = None
+    return found
 
 
 def outside_the_steps(run_dir: Path, evals: list[dict]) -> dict[str, float]:

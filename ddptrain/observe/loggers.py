@@ -5,15 +5,16 @@ Every logger has the same three calls, made by ``observe.metrics.MetricsLogger``
 - ``log_metrics(record, step)``: every training and eval record. Numbers only: ``step`` is the x-axis,
   not a metric; nested dicts and lists are flattened into ``key/sub`` names (``mem_peak_gb_by_rank/1``,
   ``by_rank/1/time_comm_s``);
-  the strings ``metrics.jsonl`` writes for non-finite floats ("nan", "inf", "-inf") become floats again,
-  so that a diverging loss shows in the charts; other strings and nulls are skipped.
+  a NaN or infinite value reaches them as the float it is (``metrics.jsonl`` writes it as null), so that a
+  diverging loss shows in the charts; strings and nulls are skipped.
 - ``log_samples(step, rows)``: the completions of ``trainer.eval_prompts`` at an evaluation (``prompt``,
   ``completion``, ...): a TensorBoard text, a W&B table, an MLflow artifact ``samples/step-<N>.json``.
 - ``log_report(report, report_md)``: the end-of-run diagnosis (``verdict``, ``summary``, ``levers``).
 - ``close(status)``: flush and end the run as it ended, one of ``RUN_STATUSES``: ``"finished"`` (ran to its
   end), ``"failed"`` (raised), ``"stopped"`` (SIGTERM or Ctrl-C: a checkpoint was saved, ``trainer.resume``
-  continues it). MLflow records it as the run's status, W&B as its exit code (see ``WANDB_EXIT_CODES``),
-  TensorBoard has no run status. Idempotent: a second call, whatever its status, does nothing.
+  continues it), ``"diverged"`` (a step's loss or gradient norm was not finite: trainer.on_nonfinite). MLflow
+  records it as the run's status, W&B as its exit code (see ``WANDB_EXIT_CODES``), TensorBoard has no run status.
+  Idempotent: a second call, whatever its status, does nothing.
 
 The resolved config is recorded when the logger is built. Each package is imported inside its
 builder: a logger that was not chosen costs no import time, and a missing package is caught
@@ -32,8 +33,6 @@ from typing import Any, Protocol
 from ddptrain.config import LoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig, WandbLoggerConfig
 from ddptrain.process import signals
 
-# What metrics.jsonl writes for non-finite floats (JSON has no NaN); see observe.metrics._plain.
-NON_FINITE = {"nan", "inf", "-inf"}
 # MLflow 3 refuses a file store unless this is set (and so does every reader of it): the default store is
 # SQLite, which it reads as is. Set only for a file store the user names in logger.mlflow.tracking_uri.
 MLFLOW_ALLOW_FILE_STORE = "MLFLOW_ALLOW_FILE_STORE"
@@ -45,11 +44,16 @@ MLFLOW_ARTIFACTS = "mlartifacts"
 MLFLOW_DISABLE_TELEMETRY = "MLFLOW_DISABLE_TELEMETRY"
 WANDB_FINISH_TIMEOUT = "WANDB_FINISH_TIMEOUT"
 
-RUN_STATUSES = ("finished", "failed", "stopped")
+RUN_STATUSES = ("finished", "failed", "stopped", "diverged")
 """How a run ended, as ``close`` takes it."""
-MLFLOW_STATUSES = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+MLFLOW_STATUSES = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED", "diverged": "FAILED"}
 """MLflow's run status for each: KILLED is MLflow's word for a run ended from outside before its end."""
-WANDB_EXIT_CODES = {"finished": 0, "failed": 1, "stopped": signals.STOPPED_EXIT_CODE}
+WANDB_EXIT_CODES = {
+    "finished": 0,
+    "failed": 1,
+    "stopped": signals.STOPPED_EXIT_CODE,
+    "diverged": signals.DIVERGED_EXIT_CODE,
+}
 """The exit code ``wandb.finish`` gets: W&B shows 0 as Finished and any other code as Failed; it has no state of
 its own for a run stopped to be resumed (its Killed is set by the server only, for runs stopped from the UI).
 A stop gets 75, the code ``python -m ddptrain`` exits with after one: Failed in the runs table, as W&B itself
@@ -136,8 +140,6 @@ def _by_position(values: list | tuple) -> dict[int, Any]:
 
 def _number(value: Any) -> float | None:
     if isinstance(value, (bool, int, float)):
-        return float(value)
-    if isinstance(value, str) and value in NON_FINITE:
         return float(value)
     return None
 

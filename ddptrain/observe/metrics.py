@@ -36,8 +36,8 @@ class MetricsLogger:
         """Write ``record`` (an empty one is not written: nothing to log)."""
         if not record:
             return
-        plain = {k: _plain(v) for k, v in record.items()}
-        self.file.write(json.dumps(plain) + "\n")
+        plain = {k: _plain(v) for k, v in record.items()}  # NaN stays a float: the loggers' charts show it
+        self.file.write(json.dumps(_nulled(plain)) + "\n")
         for logger in self.loggers:
             # A tracking server that is down costs a warning, not the training: metrics.jsonl has the record.
             _tolerate(logger.log_metrics, plain, int(plain["step"]))
@@ -53,7 +53,7 @@ class MetricsLogger:
         """The end of the run: close metrics.jsonl, have the diagnosis written, hand it to the loggers, close them.
 
         Args:
-            status: finished, stopped (by a signal) or failed: what the loggers record for the run.
+            status: finished, stopped (by a signal), diverged or failed: what the loggers record for the run.
         """
         if self.file.closed:
             return
@@ -104,8 +104,16 @@ def _tolerate(call: Any, *args: Any) -> None:
 
 
 def _plain(value: Any) -> Any:
-    if hasattr(value, "item"):
-        value = value.item()
+    return value.item() if hasattr(value, "item") else value
+
+
+def _nulled(value: Any) -> Any:
+    """``value`` with every NaN or infinity (a diverged step's loss or gradient norm), at any depth, as None: JSON has
+    no NaN, and a column of numbers keeps one type (a number, or null as for a missing one)."""
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return None
+    if isinstance(value, dict):
+        return {k: _nulled(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nulled(v) for v in value]
     return value

@@ -33,13 +33,14 @@ class Stopwatch:
 class StepResult:
     """What one optimizer step leaves behind (local to this rank until reduced); tensors stay on the device."""
 
-    loss_sum: torch.Tensor  # read only when logging, so steps never wait on the GPU
-    target_tokens: int
+    loss_sum: torch.Tensor  # the finite part (``local_loss`` whole): read only when logging, no wait on the GPU
+    target_tokens: int | torch.Tensor  # the tokens behind loss_sum (a device value when a NaN loss may drop out)
     grad_norm: torch.Tensor
-    overflowed: torch.Tensor | bool  # fp16: the GradScaler found inf/nan gradients and did not step
+    overflowed: torch.Tensor | bool  # the update was dropped: fp16 overflow, or a non-finite gradient norm
     batch_tokens: list[tuple[int, int]]  # (real, padded) tokens of each micro-batch this rank trained on
-    stop_votes: torch.Tensor  # ranks that asked to stop (SIGTERM, Ctrl-C), summed over ranks
+    verdict: torch.Tensor  # [stop votes summed over ranks, non-finite flag, dropped in a row] (observe.nonfinite)
     flops: float = 0.0  # model FLOPs of this rank's micro-batches (ddptrain.observe.flops)
+    local_loss: torch.Tensor | None = None  # this rank's loss sum as computed, NaN and all
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Window:
     """
 
     loss_sum: Any = 0.0  # a device tensor once a step is added: read only when logging
-    target_tokens: int = 0
+    target_tokens: Any = 0  # a device tensor once a step that may drop its loss is added
     batch_tokens: list[tuple[int, int]] = field(default_factory=list)
     overflowed_steps: Any = 0  # fp16 steps the GradScaler did not take; a device tensor once added
     steps: int = 0
@@ -80,7 +81,7 @@ class Window:
         return record
 
     def _reduce(self, step: int, epoch: int, lr: float, grad_norm: float, watch: Stopwatch, comm: tuple | None) -> dict:
-        local = torch.tensor([float(self.loss_sum), self.target_tokens], dtype=torch.float64)
+        local = torch.tensor([float(self.loss_sum), float(self.target_tokens)], dtype=torch.float64)
         totals = parallel.all_reduce_sum(local)
         seconds = watch.lap()  # after the reduction: every rank's steps of the window are done
         real, padded, imbalance, peak = batch_stats(parallel.all_gather_tensor(torch.tensor(self.batch_tokens)))
@@ -88,7 +89,7 @@ class Window:
         return {
             "step": step,
             "epoch": epoch,
-            "loss": float(totals[0] / max(totals[1], 1.0)),
+            "loss": float(totals[0] / totals[1]) if totals[1] > 0 else None,  # None: no finite loss to average
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": real,
@@ -108,7 +109,8 @@ class Window:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain numbers (the sums are read off the device): one rank's partial window for a checkpoint."""
-        return {**asdict(self), "loss_sum": float(self.loss_sum), "overflowed_steps": int(self.overflowed_steps)}
+        counts = {"target_tokens": int(self.target_tokens), "overflowed_steps": int(self.overflowed_steps)}
+        return {**asdict(self), "loss_sum": float(self.loss_sum), **counts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_sum = float(state["loss_sum"])

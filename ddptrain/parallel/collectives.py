@@ -68,8 +68,8 @@ class LateRead:
             self.copied.record()
         self.waits_in = hangs.Phase("device_wait", step, None, time.time())
 
-    def value(self) -> float:
-        """The value; waits for the device up to ``parallel.timeout_s`` after the step was queued.
+    def values(self) -> list[float]:
+        """The values (one host read); waits for the device up to ``parallel.timeout_s`` after the step was queued.
 
         Raises:
             RuntimeError: the device did not get there in time ("Timed out waiting ...ms for the device").
@@ -77,7 +77,12 @@ class LateRead:
         if self.copied is not None and not self.copied.query():
             with hangs.board.showing(self.waits_in):
                 wait_for_device(self.copied, self.waits_in.since + _timeout_s, self.waits_in.step)
-        return float(self.host)
+        return [float(v) for v in self.host.reshape(-1).tolist()]
+
+    def value(self) -> float:
+        """The value of a one-element tensor (``values`` otherwise)."""
+        (only,) = self.values()
+        return only
 
 
 DEVICE_POLL_S = 0.0005

@@ -59,6 +59,8 @@ ABORT_GRACE_S = 2.0
 # it from 0 (finished), 1 (failed) and 130 (aborted, or killed by SIGINT).
 STOPPED_EXIT_CODE = 75
 ABORTED_EXIT_CODE = 130
+DIVERGED_EXIT_CODE = 65
+"""A run that diverged (trainer.on_nonfinite, ``observe.nonfinite``): not 1 (a crash), not 75 (a stop that resumes)."""
 # Set in the self-launcher once a stop is requested: workers it starts afterwards (a restart after
 # a failure) begin with the request already made.
 STOP_ENV = "DDPTRAIN_STOP_SIGNAL"

@@ -221,5 +221,7 @@ def _ended_by_exit(job_dir: Path, record: dict[str, Any], stop: SystemExit) -> N
         _ended(job_dir, record, STOPPED if code == signals.STOPPED_EXIT_CODE else ABORTED)
         raise stop
     message = code if isinstance(code, str) else f"exit code {code}"
+    if code == signals.DIVERGED_EXIT_CODE:
+        message = f"diverged (exit code {code}): a step's loss or gradient norm was not finite (metrics.jsonl)"
     _ended(job_dir, record, FAILED, error=message)
     raise JobFailed(f"job {record['num']} ({' '.join(record['overrides'])}) failed: {message}") from None

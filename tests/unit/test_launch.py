@@ -72,17 +72,17 @@ def test_a_stopped_run_says_where_its_checkpoint_is_and_exits_75_unless_under_to
     from ddptrain.process import signals
 
     start = Start(elastic)
-    launch._exit_if_stopped({"loss": 1.0}, tmp_path, start, build_console(True))
+    launch._exit_if_stopped_or_diverged({"loss": 1.0}, tmp_path, start, build_console(True))
     assert capsys.readouterr().err == "", "a finished run says nothing here"
     stopped = {signals.STOPPED_BY: "SIGTERM", signals.STOPPED_AT_STEP: 3}
     if elastic:  # exit 0: a non-zero exit would make torchrun --max-restarts restart the group
-        launch._exit_if_stopped(stopped, tmp_path, start, build_console(True))
+        launch._exit_if_stopped_or_diverged(stopped, tmp_path, start, build_console(True))
     else:
         with pytest.raises(SystemExit) as exited:
-            launch._exit_if_stopped(stopped, tmp_path, start, build_console(True))
+            launch._exit_if_stopped_or_diverged(stopped, tmp_path, start, build_console(True))
         assert exited.value.code == signals.STOPPED_EXIT_CODE == 75
     assert "ddptrain: stopped by SIGTERM at step 3" in capsys.readouterr().err
-    launch._exit_if_stopped(stopped, tmp_path, Start(True, rank=1), build_console(False))
+    launch._exit_if_stopped_or_diverged(stopped, tmp_path, Start(True, rank=1), build_console(False))
     assert capsys.readouterr().err == "", "ranks other than 0 say nothing"
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 from hydra.errors import MissingConfigException
 
 from ddptrain import config
@@ -28,7 +29,7 @@ from tests.conftest import REPO, compose_config
 
 ALL = "logger=[tensorboard,wandb,mlflow]"
 RECORDS = [
-    {"step": 1, "loss": 2.0, "lr": 1e-3, "mem_peak_gb_by_rank": [0.5, 0.75], "note": "text", "grad_norm": "nan"},
+    {"step": 1, "loss": 2.0, "lr": 1e-3, "mem_peak_gb_by_rank": [0.5, 0.75], "note": "text", "grad_norm": math.nan},
     {"step": 2, "loss": 1.5, "lr": 1e-3, "mem_peak_gb_by_rank": [0.5, 0.8], "note": "text", "grad_norm": 3.0},
     {"step": 2, "eval_loss": 1.25, "eval_tokens": 40},
 ]
@@ -109,10 +110,10 @@ def test_a_missing_package_names_the_extra(monkeypatch: pytest.MonkeyPatch, name
 
 def test_metrics_are_the_numbers_flattened() -> None:
     values = loggers.metric_values(RECORDS[0])
-    assert values.pop("grad_norm") != values.get("grad_norm")  # "nan" came back as a float NaN
+    assert math.isnan(values.pop("grad_norm"))  # a diverged step's NaN reaches the charts
     assert values == {"loss": 2.0, "lr": 1e-3, "mem_peak_gb_by_rank/0": 0.5, "mem_peak_gb_by_rank/1": 0.75}
     by_rank = [{"rank": 0, "time_s": 1}, {"rank": 1, "time_s": 2}]
-    nested = loggers.numeric_items({"by_rank": by_rank, "x": {"y": 3}, "off": None, "inf": "-inf"})
+    nested = loggers.numeric_items({"by_rank": by_rank, "x": {"y": 3}, "off": None, "inf": -math.inf})
     assert nested == {"by_rank/0/time_s": 1.0, "by_rank/1/time_s": 2.0, "x/y": 3.0, "inf": -math.inf}
 
 
@@ -312,3 +313,34 @@ def test_logger_config_round_trips_as_data() -> None:
     """config_as_dict (what the loggers record) keeps the logger group as plain data."""
     cfg = compose_config([ALL])
     assert config.config_as_dict(cfg)["logger"]["wandb"] == asdict(WandbLoggerConfig())
+
+
+def test_metrics_jsonl_keeps_one_type_per_column_and_the_loggers_chart_the_nan(tmp_path: Path) -> None:
+    """A diverged step's NaN loss and infinite gradient norm are null in metrics.jsonl (a number or null, as JSON has
+    no NaN: a string there breaks every reader that plots the column), at any depth; a logger gets the floats."""
+    from ddptrain.observe.metrics import MetricsLogger
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.got: list[dict] = []
+
+        def log_metrics(self, record: dict, step: int) -> None:
+            self.got.append(record)
+
+    recorder = Recorder()
+    writer = MetricsLogger(tmp_path / "metrics.jsonl", [recorder])
+    writer.log({"step": 3, "loss": torch.tensor(math.nan), "grad_norm": math.inf, "by_rank": [{"x": -math.inf}]})
+    writer.file.close()
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=refuse) == {
+        "step": 3,
+        "loss": None,
+        "grad_norm": None,
+        "by_rank": [{"x": None}],
+    }
+    (got,) = recorder.got
+    assert math.isnan(got["loss"]) and got["grad_norm"] == math.inf

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ddptrain.config import OptimConfig, Scheduler
-from ddptrain.optim import build_optimizer, build_scheduler, lr_multiplier
+from ddptrain.optim import build_optimizer, build_scheduler, drop_update_if, lr_multiplier
 
 
 class TwoLayers(nn.Module):
@@ -115,3 +115,25 @@ def test_scheduler_drives_the_optimizer_lr():
     expected = [1e-2 * lr_multiplier(s, cfg, 5) for s in range(6)]
     assert seen == pytest.approx(expected)
     assert seen[0] == pytest.approx(0.5e-2) and seen[-1] == pytest.approx(0.0)
+
+
+def test_a_checkpoint_of_another_implementation_keeps_the_fused_step_that_drops_on_the_device():
+    """A checkpoint saved by an optimizer that stepped another way (foreach, as ddptrain's CPU runs did) carries its
+    ``fused`` flag: loaded, this optimizer stays fused, so a dropped update (``drop_update_if``) still leaves every
+    weight, moment and step count as it was."""
+    model = TwoLayers()
+    saved = build_optimizer(OptimConfig(lr=0.1), model).state_dict()
+    for group in saved["param_groups"]:  # as a CPU run of ddptrain before the fused optimizer saved it
+        group.update(fused=None, foreach=True)
+    optimizer = build_optimizer(OptimConfig(lr=0.1), model)
+    optimizer.load_state_dict(saved)
+    assert all(group["fused"] for group in optimizer.param_groups)
+    model.adapter.weight.grad = torch.full_like(model.adapter.weight, math.nan)
+    before = model.adapter.weight.detach().clone()
+    with drop_update_if(optimizer, torch.tensor(1.0)):
+        optimizer.step()
+    assert torch.equal(model.adapter.weight, before)
+    assert (
+        int(optimizer.state[model.adapter.weight]["step"]) == 0
+        and not optimizer.state[model.adapter.weight]["exp_avg"].any()
+    )
