@@ -1,4 +1,9 @@
-"""Shared test helpers: paths, config composition, subprocess runs of the real entrypoint."""
+"""Shared test helpers: paths, config composition, subprocess runs of the real entrypoint.
+
+Before writing a test, read tests/README.md: a test must be able to fail (break it once), its scenario is built by
+design (never by pushing a learning rate into chaos), and its tolerances follow from the arithmetic
+(``tests/numerics.py``), so that it passes on any CPU and fails only for a defect.
+"""
 
 from __future__ import annotations
 
