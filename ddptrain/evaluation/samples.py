@@ -1,4 +1,5 @@
 """Greedy completions of ``trainer.eval_prompts`` at every evaluation, into ``<run>/samples.jsonl`` and the loggers.
+Greedy by an explicit generation config, whatever the model ships; a rank's prompts go in left-padded batches.
 
 Each rank completes its share of the prompts (prompt ``i`` on rank ``i % world_size``) with its own unwrapped model:
 no collective runs while a rank generates (DDP's forward would sync buffers; ``generate`` on the peft model syncs
@@ -8,7 +9,8 @@ brings every completion to rank 0, which writes them (the other ranks' metrics l
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,10 @@ class RenderedPrompt:
     ids: list[int]
 
 
+SAMPLE_BATCH_SIZE = 8
+"""Prompts a rank completes together (left-padded): a handful of short prompts, a few MB of cache on any model."""
+
+
 def complete(
     model: nn.Module,
     prompt_ids: list[list[int]],
@@ -36,23 +42,55 @@ def complete(
     stop_ids: list[int],
     pad_id: int,
     device: torch.device,
+    batch_size: int = SAMPLE_BATCH_SIZE,
 ) -> list[list[int]]:
-    """The greedy continuation of each prompt (at most ``max_new_tokens`` tokens, ending at one of ``stop_ids``), one
-    prompt at a time (no padding to reason about). No collective: ``model`` is the unwrapped model, run on this rank
-    alone. The caller sets eval mode and the autocast."""
+    """The greedy continuation of each prompt: at most ``max_new_tokens`` tokens, up to and including the first of
+    ``stop_ids``. ``batch_size`` prompts at a time, padded on the left, so that every row's next token comes from
+    its own last position (the attention mask keeps the padding out, and ``generate`` counts positions from it).
+    Greedy whatever the model ships: the settings of its own ``generation_config`` (a ``repetition_penalty``, a
+    ``temperature``) are set aside while it generates. No collective: ``model`` is the unwrapped model, run on this
+    rank alone. The caller sets eval mode and the autocast."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, eos_token_id=stop_ids, pad_token_id=pad_id
-    )
+        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True, eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+    )  # fmt: skip
     completions = []
-    with torch.no_grad():
-        for ids in prompt_ids:
-            input_ids = torch.tensor([ids], device=device)
-            attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad(), _only_these_settings(model):
+        for start in range(0, len(prompt_ids), batch_size):
+            input_ids, attention_mask = _left_padded(prompt_ids[start : start + batch_size], pad_id, device)
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-            completions.append(out[0, len(ids) :].tolist())
+            completions += [_up_to_stop(row.tolist(), stop_ids) for row in out[:, input_ids.shape[1] :]]
     return completions
+
+
+@contextlib.contextmanager
+def _only_these_settings(model: nn.Module) -> Iterator[None]:
+    """``generate`` fills every setting its config leaves unset from the model's ``generation_config``: Qwen2.5-Instruct
+    ships ``repetition_penalty=1.05``, others a temperature. A default one stands in while the samples generate."""
+    from transformers import GenerationConfig
+
+    generating = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the transformers model
+    shipped = generating.generation_config
+    generating.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        generating.generation_config = shipped
+
+
+def _left_padded(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[pad_id] * (width - len(row)) + row for row in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], device=device)
+    return ids, mask
+
+
+def _up_to_stop(tokens: list[int], stop_ids: list[int]) -> list[int]:
+    """A row's new tokens up to its first stop token, included: what follows it is padding (the batch went on)."""
+    end = next((k for k, token in enumerate(tokens) if token in stop_ids), None)
+    return tokens if end is None else tokens[: end + 1]
 
 
 class SampleRound:
