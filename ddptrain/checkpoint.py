@@ -2,11 +2,10 @@
 
 A checkpoint is a folder ``<run>/checkpoints/step-00000020/`` holding
 
-- ``weights/``: the trainable weights as ``save_pretrained`` writes them (a peft adapter in
-  safetensors, or the full model for a full fine-tune), from the unwrapped model;
-- ``trainer_state.pt``: optimizer, LR schedule, GradScaler, step, data position, the partial
-  logging window and the RNG states of every rank (plain tensors and numbers: it loads with
-  ``torch.load(weights_only=True)``);
+- ``weights/``: the trainable weights as ``save_pretrained`` writes them (a peft adapter in safetensors, or the full
+  model for a full fine-tune, a tied head left out as transformers does), from the unwrapped model;
+- ``trainer_state.pt``: optimizer, LR schedule, GradScaler, step, data position, the partial logging window and the
+  RNG states of every rank (plain tensors and numbers: it loads with ``torch.load(weights_only=True)``);
 - ``manifest.json``, written last: step, epoch, data position, world size, the settings that
   fix the data order, the eval metrics when the step was evaluated, and every file with its size and SHA-256.
 
@@ -14,9 +13,9 @@ The folder is written under a temporary name, flushed, and renamed into place; a
 without a complete, matching manifest is never loaded (``checkpoint_files``). ``latest`` names the newest one;
 the last ``trainer.keep_last_n`` are kept, and besides them the best ``trainer.keep_best_n`` by
 ``trainer.best_metric`` as their manifests record it, so the choice survives a resume and a restart. The best
-one's adapter is also in ``<run>/best/`` with ``best.json`` (its step and metrics). Before a saved adapter is put
-in place, ``trainer.save_check`` proves plain peft loads it and computes the training model's logits
-(``evaluation.save_check``).
+one's weights are also in ``<run>/best/`` with ``best.json`` (its step and metrics). Before saved weights are put
+in place, ``trainer.save_check`` proves plain peft loads an adapter as trained (``evaluation.save_check``), plain
+transformers a full fine-tune's model, bit for bit, its tied head included (``evaluation.full_check``).
 
 ``Checkpointer`` decides what a checkpoint holds: the trainer hands it its stateful parts (each
 with ``state_dict``/``load_state_dict``) and the data-order fingerprint; it gathers the per-rank
@@ -65,11 +64,13 @@ from ddptrain.checkpoint_files import (
     read_weights,
     strip_known_prefixes,
     verify,
+    what_it_holds,
 )
 from ddptrain.checkpoint_format import upgrade_state, version_of
 from ddptrain.config import SaveCheckMode, TrainerConfig
 from ddptrain.evaluation.best import BestRule, BestTracker
-from ddptrain.evaluation.save_check import Probe, SaveCheck
+from ddptrain.evaluation.full_check import FullWeightsCheck, build_save_check
+from ddptrain.evaluation.save_check import SaveCheck
 from ddptrain.parallel import DistEnv
 from ddptrain.precision import TORCH_DTYPES
 from ddptrain.rng import RNGState, rng_untouched
@@ -142,7 +143,7 @@ class Checkpointer:
         fingerprint: the settings that fix which samples each step sees (``data.DataOrder``): its
             ``values`` go into the manifest, and ``changes_from(saved)`` names what a resume would change.
         best: the best evaluation so far (``evaluation.best.BestTracker``): a checkpoint of an evaluated step
-            records its metrics, and the best one's adapter is copied to ``<run>/best/``.
+            records its metrics, and the best one's weights are copied to ``<run>/best/``.
     """
 
     def __init__(
@@ -193,13 +194,14 @@ class Checkpointer:
             return {"step": step, **self.writer.checked} if self.writer.checked else {}
         except Exception as err:
             previous = newest_complete(self.run_dir / "checkpoints")
+            fix = _fix_for(err, self.run_dir, "adapter" if hasattr(self.weights, "peft_config") else "weights")
             raise RuntimeError(
                 f"saving the checkpoint of step {step} failed: {type(err).__name__}: {str(err).rstrip('.')}. "
-                f"The previous checkpoint is intact: {previous or 'none yet'}. {_fix_for(err, self.run_dir)}"
+                f"The previous checkpoint is intact: {previous or 'none yet'}. {fix}"
             ) from err
 
     def save_final(self, step: int) -> dict[str, Any]:
-        """Rank 0 writes ``<run>/adapter`` (and a random base); the others wait for it, as for a checkpoint.
+        """Rank 0 writes the final weights (``<run>/adapter``); the others wait for it, as for a checkpoint.
 
         Returns:
             On rank 0, the save check's metrics record (at ``step``) when one ran; else empty.
@@ -242,13 +244,15 @@ class Checkpointer:
         return state["step"]
 
 
-def _fix_for(err: BaseException, run_dir: Path) -> str:
-    """What to do about a failed save: a check that failed is not a full disk."""
+def _fix_for(err: BaseException, run_dir: Path, noun: str) -> str:
+    """What to do about a failed save (``noun``: "adapter" or "weights"): a check that failed is not a full disk."""
     if "SaveCheckError" in f"{type(err).__name__}: {err}":
         return (
-            "The saved adapter would not load as trained; the check found it before it was put in place. Report it "
+            f"The saved {noun} would not load as trained; the check found it before it was put in place. Report it "
             "with the error above (trainer.save_check=off saves without the check)."
         )
+    if "trainer.save_timeout_s=" in str(err):  # slow, not full: the error says to raise the limit
+        return f"Resume with trainer.resume={run_dir}."
     return (
         f"Free space in {run_dir} or point trainer.output_dir at a writable disk, and resume with "
         f"trainer.resume={run_dir}."
@@ -275,14 +279,14 @@ def check_same_data_order(folder: Path, fingerprint: Fingerprint) -> None:
 
 
 class CheckpointWriter:
-    """Writes checkpoints, ``best/`` and the final adapter; used on global rank 0 only.
+    """Writes checkpoints, ``best/`` and the final weights (``adapter/``); used on global rank 0 only.
 
     Args:
         run_dir: the run directory.
         keep_last_n: ``trainer.keep_last_n``: the newest checkpoints kept.
         files: the tokenizer and base an adapter carries (None: the weights alone, for tests of the format).
         rule: ``trainer.keep_best_n`` checkpoints kept besides, ranked by their manifest's eval metrics.
-        check: proves each saved adapter loads (``trainer.save_check``); None: no check.
+        check: proves the weights it saves load as trained (``trainer.save_check``); None: no check.
         check_every: check every checkpoint and ``best/`` as written (``every``), or only at the end (``final``).
     """
 
@@ -305,7 +309,7 @@ class CheckpointWriter:
 
     def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> Path:
         """Write ``checkpoints/step-N`` (weights, trainer state, manifest last), point ``latest`` at it, copy its
-        adapter to ``best/`` when ``meta`` says it is the best, prune; ``checked`` holds the check's record.
+        weights to ``best/`` when ``meta`` says it is the best, prune; ``checked`` holds the check's record.
 
         Returns:
             The checkpoint folder.
@@ -346,7 +350,7 @@ class CheckpointWriter:
             self.files.write(model, folder, self.run_dir, with_tokenizer)
 
     def _save_best(self, checkpoint: Path, meta: dict[str, Any]) -> dict[str, Any]:
-        """``<run>/best``: the checkpoint's adapter, the tokenizer and ``best.json`` (its step and metrics)."""
+        """``<run>/best``: the checkpoint's weights, the tokenizer and ``best.json`` (its step and metrics)."""
         best, checked = self.run_dir / BEST, {}
 
         def write(tmp: Path) -> None:
@@ -360,13 +364,9 @@ class CheckpointWriter:
                 checked.update(self.check([(tmp, best)]))
 
         atomic_save_dir(best, write)
-        log.info(
-            "step %d is the best so far (%s %.4f): its adapter is in %s",
-            meta["step"],
-            self.rule.metric,
-            meta["eval"].get(self.rule.metric, math.nan),
-            best,
-        )
+        value = meta["eval"].get(self.rule.metric, math.nan)
+        its = {"adapter": "adapter is", "weights": "weights are"}[what_it_holds(best)]
+        log.info("step %d is the best so far (%s %.4f): its %s in %s", meta["step"], self.rule.metric, value, its, best)
         return checked
 
     def adopt_best(self, source_run: Path, best_step: int | None) -> None:
@@ -410,9 +410,9 @@ class CheckpointWriter:
         return self.rule.best_first(scored)[: self.rule.keep_best_n]
 
     def save_final(self, model: nn.Module) -> None:
-        """``<run>/adapter`` with the tokenizer (and a random-init base in ``<run>/base``), checked (``checked`` holds
-        the record); with ``trainer.save_check=final`` the check covers ``best/`` too."""
-        assert self.files is not None, "the final adapter carries the tokenizer: build the writer with files"
+        """``<run>/adapter``: the final weights, the tokenizer (and a random-init LoRA base in ``<run>/base``), checked
+        (``checked`` holds the record); with ``trainer.save_check=final`` the check covers ``best/`` too."""
+        assert self.files is not None, "the final weights carry the tokenizer: build the writer with files"
         with rng_untouched():
             self._save_final(model)
 
@@ -441,7 +441,7 @@ class NullCheckpointWriter:
         """Rank 0 writes the checkpoint; this rank waits for it (``parallel.after_rank_zero``)."""
 
     def save_final(self, model: nn.Module) -> None:
-        """Rank 0 writes the final adapter; this rank waits for it (``parallel.after_rank_zero``)."""
+        """Rank 0 writes the final weights; this rank waits for it (``parallel.after_rank_zero``)."""
 
     def adopt_best(self, source_run: Path, best_step: int | None) -> None:
         """Rank 0 carries ``best/`` over."""
@@ -467,16 +467,14 @@ def build_checkpointer(
     probe_rows: list[list[int]],
 ) -> Checkpointer:
     """The checkpointer of a run from the ``trainer`` group (``keep_last_n``, ``save_timeout_s``, ``save_check``; the
-    best checkpoints by ``best``'s rule): rank 0's writer checks each adapter it saves on a probe of ``probe_rows``
-    (a few training rows) when ``trainer.save_check`` is on and the run trains LoRA (a full fine-tune saves a
-    whole model, which peft has nothing to prove about). The other arguments are ``Checkpointer``'s."""
-    check = None
-    if env.is_rank_zero and cfg.save_check != SaveCheckMode.off and files.model_cfg.lora:
-        probe = Probe.from_rows(list(probe_rows), files.tokenizer.pad_token_id)
-        dtype = TORCH_DTYPES[files.model_cfg.dtype]
-        # On a GPU the copy of the base loads on the host: the device may have no room for a second one.
-        on_cpu = env.device.type == "cuda"
-        check = SaveCheck(weights, probe, dtype, files.model_cfg.attn_implementation.value, on_cpu=on_cpu)
+    best checkpoints by ``best``'s rule): when ``trainer.save_check`` is on, rank 0's writer checks the weights it
+    saves (``evaluation.full_check.build_save_check``: an adapter on a probe of ``probe_rows``, a few training rows;
+    a full fine-tune's model bit for bit). The other arguments are ``Checkpointer``'s."""
+    check: SaveCheck | FullWeightsCheck | None = None
+    if env.is_rank_zero and cfg.save_check != SaveCheckMode.off:
+        m = files.model_cfg
+        on_gpu, attn, pad_id = env.device.type == "cuda", m.attn_implementation.value, files.tokenizer.pad_token_id
+        check = build_save_check(weights, m.lora, TORCH_DTYPES[m.dtype], attn, probe_rows, pad_id, on_gpu)
     writer = build_writer(
         env.is_rank_zero,
         run_dir,

@@ -35,7 +35,8 @@ WEIGHTS = "weights"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 KNOWN_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
 BEST, BEST_FILE = "best", "best.json"
-"""``<run>/best/``: the best checkpoint's adapter (``trainer.best_metric``), and the file naming its step."""
+"""``<run>/best/``: the best checkpoint's weights (``trainer.best_metric``), and the file naming its step."""
+ADAPTER_CONFIG = "adapter_config.json"  # what peft writes beside an adapter, and a full model's folder lacks
 
 
 class CheckpointError(RuntimeError):
@@ -128,7 +129,22 @@ def base_model_path(model_cfg: ModelConfig, run_dir: Path) -> str:
     return model_cfg.name_or_path
 
 
-# ----------------------------------------------------------------------------- the best adapter
+def what_it_holds(folder: Path) -> str:
+    """How messages name a saved folder: "adapter" (a peft adapter) or "weights" (a full fine-tune's model)."""
+    return "adapter" if (folder / ADAPTER_CONFIG).is_file() else "weights"
+
+
+def what_the_run_saved(run_dir: Path) -> str:
+    """``what_it_holds`` of a run's ``best/``, else its ``adapter/``, else its newest checkpoint ("weights" when it
+    saved nothing yet). Every folder of a run holds the same kind: no file is hashed to tell which."""
+    checkpoints = sorted((run_dir / "checkpoints").glob(f"step-*/{WEIGHTS}"), reverse=True)
+    for folder in (run_dir / BEST, run_dir / "adapter", *checkpoints):
+        if folder.is_dir():
+            return what_it_holds(folder)
+    return "weights"
+
+
+# ----------------------------------------------------------------------------- the best weights
 
 
 def best_step_in(run_dir: Path) -> int | None:
@@ -140,12 +156,10 @@ def best_step_in(run_dir: Path) -> int | None:
 
 
 def _merged(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """Two check records of one save as one: the times added, the worst differences, every folder."""
+    """Two check records of one save as one: the worst differences, the rest (times, counts, folders) added."""
     if not first or not second:
         return first or second
-    worst = {k: max(first[k], second[k]) for k in ("save_check_max_abs_diff", "save_check_merged_max_abs_diff")}
-    both = {k: first[k] + second[k] for k in ("save_check_s", "save_check_folders")}
-    return worst | both
+    return {k: max(v, second[k]) if k.endswith("_diff") else v + second[k] for k, v in first.items()}
 
 
 # ----------------------------------------------------------------------------- finding and verifying
@@ -270,13 +284,44 @@ def load_trainable_weights(model: nn.Module, folder: Path) -> None:
         unexpected = sorted(result.unexpected_keys)
     else:
         result = model.load_state_dict(weights, strict=False)
-        missing, unexpected = sorted(result.missing_keys), sorted(result.unexpected_keys)
+        loaded = weights.keys() - set(result.unexpected_keys)
+        missing = untied(model.state_dict(keep_vars=True), result.missing_keys, loaded)
+        unexpected = sorted(result.unexpected_keys)
     if missing or unexpected:
         raise CheckpointError(
             f"{folder} does not fit this model: missing {_few(missing)}; unexpected {_few(unexpected)}. "
             "It was saved with other model.* or model.lora_* settings: use the ones in its run's config.yaml, "
             "or set trainer.resume=none to start over."
         )
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """Where a tensor's elements are: two keys with the same place hold one tensor (a tied weight)."""
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
+
+
+def tied_groups(tensors: dict[str, torch.Tensor]) -> set[frozenset[str]]:
+    """The sets of keys of ``tensors`` (a ``state_dict``) that name one tensor: a tied LM head and its embedding."""
+    by_place: dict[tuple, set[str]] = {}
+    for key, tensor in tensors.items():
+        by_place.setdefault(_storage(tensor), set()).add(key)
+    return {frozenset(keys) for keys in by_place.values() if len(keys) > 1}
+
+
+def untied(tensors: dict[str, torch.Tensor], missing: list[str], present: set[str]) -> list[str]:
+    """The keys of ``missing`` that are not tied to a key of ``present`` (sorted).
+
+    ``save_pretrained`` leaves a tied weight out (``lm_head.weight`` where the head is the input embedding, as in
+    the bundled model and Qwen2.5-0.5B): loading the key it shares its storage with loads it too. A missing key
+    that shares no storage with a loaded one would keep its initial values: that one is really missing.
+
+    Args:
+        tensors: the model's ``state_dict(keep_vars=True)`` (every key, tied ones included).
+        missing: keys of ``tensors`` the saved weights lack.
+        present: keys of ``tensors`` the saved weights hold.
+    """
+    places = {_storage(tensors[key]) for key in present if key in tensors}
+    return sorted(key for key in missing if _storage(tensors[key]) not in places)
 
 
 def _few(keys: list[str]) -> str:

@@ -8,6 +8,11 @@ With ``--merge``: the LoRA weights folded into the base model, saved as a full m
 ``AutoModelForCausalLM.from_pretrained(folder)`` loads alone (inference servers), plus the
 tokenizer. The base model comes from the run's config (``model.name_or_path``), or from the
 run's ``base/`` folder for a randomly initialised model.
+
+A full fine-tune (``model.lora=false``) saved the whole model: with or without ``--merge`` the export is that
+model and the tokenizer, a folder ``AutoModelForCausalLM.from_pretrained(folder)`` loads alone. A head tied to the
+input embedding is not in the files (``save_pretrained`` leaves it out): the config's ``tie_word_embeddings`` ties
+it back when the folder loads.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ddptrain import checkpoint
+from ddptrain.checkpoint_files import what_it_holds
 from ddptrain.config import RunConfig, register_configs
 from ddptrain.model import build_tokenizer, point_adapter_at_base
 from ddptrain.observe.console import quiet_libraries
@@ -64,7 +70,8 @@ def load_run_config(run_dir: Path) -> RunConfig:
 
 
 def export(source: Path, out: Path, merge: bool) -> Path:
-    """Write the export to ``out`` (replacing it atomically) and return ``out``."""
+    """Write the export to ``out`` (replacing it atomically) and return ``out``: an adapter, a merged model, or a
+    full fine-tune's model (with or without ``merge``), each with the tokenizer."""
     run_dir, weights = locate(source)
     cfg = load_run_config(run_dir)
     tokenizer = build_tokenizer(cfg.model)
@@ -101,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     except (checkpoint.CheckpointError, FileNotFoundError) as err:
         sys.exit(f"ddptrain.export: {err}")
     kind = "merged model" if args.merge else "adapter"
+    if what_it_holds(out) == "weights":  # a full fine-tune: nothing to merge
+        kind = "fully fine-tuned model"
     print(f"ddptrain.export: wrote the {kind} to {out}")
 
 

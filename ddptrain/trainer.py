@@ -233,7 +233,7 @@ class Trainer:
         return record
 
     def finish(self) -> dict[str, Any]:
-        """Final evaluation (unless this step was just evaluated: an early stop), the last checkpoint and the adapter.
+        """Final evaluation (unless this step was just evaluated: early stop), the last checkpoint, the final weights.
         Returns the final eval metrics, and the best evaluation (``best_step``, ``best_value`` of ``best_metric``: what
         a sweep's job returns) and ``early_stopped`` (why) when there were any."""
         self.clock.enter("finish", self.step)

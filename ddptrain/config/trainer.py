@@ -103,7 +103,7 @@ class TrainerConfig:
     keep_last_n: int = 3
     """Checkpoints kept under <run>/checkpoints (older ones are deleted, unless trainer.keep_best_n keeps them)."""
     keep_best_n: int = 1
-    """Checkpoints kept for their trainer.best_metric, besides the last trainer.keep_last_n; the best one's adapter is
+    """Checkpoints kept for their trainer.best_metric, besides the last trainer.keep_last_n; the best one's weights are
     also in <run>/best/ (best.json names its step). An evaluation that improves on them saves a checkpoint at once.
     0 = keep the last ones only, no best/. Nothing to rank without an eval split."""
     best_metric: str = "eval_loss"
@@ -121,9 +121,10 @@ class TrainerConfig:
     eval_max_new_tokens: int = 64
     """The longest completion of each trainer.eval_prompts prompt (greedy decoding; it stops earlier at the EOS)."""
     save_check: SaveCheckMode = SaveCheckMode.every
-    """Prove each saved adapter loads: plain peft loads it onto the base the run recorded and must compute the
-    training model's logits on a probe batch (the merged model too); keys canonical, every lora_B trained. every:
-    each checkpoint, best/ and adapter/; final: adapter/ and best/ at the end only; off."""
+    """Prove each save loads as trained. LoRA: plain peft loads the adapter onto the base the run recorded and must
+    compute the training model's logits on a probe batch (the merged model too); keys canonical, every lora_B
+    trained. A full fine-tune: plain transformers loads the model and holds every trained tensor bit for bit, its
+    tied head included. every: each checkpoint, best/ and adapter/; final: adapter/ and best/ at the end only; off."""
     save_timeout_s: int = 3600
     """How long the other ranks wait for rank 0 to write a checkpoint or the final weights. They wait through the
     store, not in a collective, so a save may outlast parallel.timeout_s (tens of GB on network storage); a save
@@ -142,7 +143,8 @@ class TrainerConfig:
     resume: str = "auto"
     """auto: continue from this run directory's newest checkpoint, if any; none; or a checkpoint/run folder."""
     save_final: bool = True
-    """Write <run>/adapter (and <run>/base for a random-init model) when training ends."""
+    """Write the final weights to <run>/adapter (the adapter, or a full fine-tune's model; and <run>/base for a
+    random-init LoRA model) when training ends."""
     output_dir: str = "outputs"
     """Runs go to <output_dir>/<date>_<time>, sweeps to <output_dir>/multirun/..."""
     progress_bar: bool = True
@@ -199,7 +201,7 @@ def _check_best(t: TrainerConfig) -> list[str]:
         )
     if t.save_check == SaveCheckMode.final and not t.save_final:
         problems.append(
-            "trainer.save_check=final checks the adapter saved at the end, but trainer.save_final=false saves none: "
+            "trainer.save_check=final checks the weights saved at the end, but trainer.save_final=false saves none: "
             "set trainer.save_check=every (each checkpoint and best/) or off."
         )
     if stopping.patience > 0 and t.eval_every_n_steps == 0:

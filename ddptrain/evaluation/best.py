@@ -2,7 +2,7 @@
 
 Every rank holds one and feeds it the same all-reduced metrics, so every rank takes the same decisions at the same
 step with no further communication: whether this evaluation is the best (the trainer then saves a checkpoint, and
-the checkpointer copies its adapter to ``<run>/best/``) and whether the run stops early. Its state goes into every
+the checkpointer copies its weights to ``<run>/best/``) and whether the run stops early. Its state goes into every
 checkpoint, so a resumed or restarted run keeps the same best and the same count of evaluations without improvement.
 """
 
@@ -100,7 +100,7 @@ class BestTracker:
         return f"best {self.best_value:.4f} at step {self.best_step}"
 
     def stop_reason(self) -> str:
-        """The early stop, in one line (the best step and value; where its adapter is, the trainer adds)."""
+        """The early stop, in one line (the best step and value; where its weights are, the trainer adds)."""
         delta = f" by at least {self.min_delta:g}" if self.min_delta else ""
         best = self.best_so_far().replace("best", "the best was", 1) if self.best_step is not None else None
         return (

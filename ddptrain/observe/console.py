@@ -110,12 +110,16 @@ def build_progress_bar(
 
 def done_line(result: dict[str, Any], run_dir: Path) -> str:
     """The run's last lines: where the results are (or why it stopped early), then the best evaluation and where its
-    adapter is."""
+    weights are: "the best adapter" of a LoRA run, "the best weights" of a full fine-tune (as the run saved them)."""
+    from ddptrain.checkpoint_files import what_the_run_saved  # imports torch: a finished run has it loaded
+
     line = f"ddptrain: done. Results in {run_dir}"
     if "early_stopped" in result:
         line = f"ddptrain: stopped early at step {result['last_step']}: {result['early_stopped']}.\n{line}"
     if "best_step" in result:
+        noun = what_the_run_saved(run_dir)
+        verb = "is" if noun == "adapter" else "are"
         where = f"in {run_dir / 'best'}" if result["best_kept"] else "not kept (trainer.keep_best_n=0)"
         best = f"step {result['best_step']}, {result['best_metric']} {result['best_value']:.4f}"
-        line += f"\nddptrain: the best adapter ({best}) is {where}"
+        line += f"\nddptrain: the best {noun} ({best}) {verb} {where}"
     return line

@@ -130,13 +130,17 @@ PROBE_ROWS, PROBE_TOKENS = 2, 32  # evaluation.save_check.Probe: two training ro
 
 
 def save_check_bytes(model: FakeModel, cfg: RunConfig, vocab_size: int, device: str) -> int:
-    """What rank 0 adds on its device while it checks a save (``evaluation.save_check``), beyond what it holds: the
-    base loaded again (the weights without the adapters) and the probe's fp32 logits, three of them (the training
-    model's, the loaded adapter's, the merged model's). 0 when there is no check (trainer.save_check=off, a full
-    fine-tune) and on CUDA, where the check loads the base on the host."""
-    if cfg.trainer.save_check == SaveCheckMode.off or not cfg.model.lora or device == "cuda":
+    """What rank 0 adds on its device while it checks a save, beyond what it holds: for LoRA
+    (``evaluation.save_check``) the base loaded again (the weights without the adapters) and the probe's fp32
+    logits, three of them (the training model's, the loaded adapter's, the merged model's); for a full fine-tune
+    (``evaluation.full_check``) the whole model loaded again, compared tensor by tensor (no logits). 0 when there is
+    no check (trainer.save_check=off) and on CUDA, where the check loads its copy on the host."""
+    if cfg.trainer.save_check == SaveCheckMode.off or device == "cuda":
         return 0
-    base = sum(model.parameter_bytes().values()) - model.trainable_parameters()[1]
+    weights = sum(model.parameter_bytes().values())
+    if not cfg.model.lora:
+        return weights
+    base = weights - model.trainable_parameters()[1]
     return base + 3 * PROBE_ROWS * PROBE_TOKENS * vocab_size * 4
 
 

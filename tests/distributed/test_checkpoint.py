@@ -1,9 +1,10 @@
-"""Checkpoints on 2 gloo ranks: resume equals uninterrupted bit for bit, a killed worker restarts and
-catches up, and only rank 0 writes."""
+"""Checkpoints on 2 gloo ranks: resume equals uninterrupted bit for bit (LoRA, and a full fine-tune with a tied head
+and with an untied one), a killed worker restarts and catches up, and only rank 0 writes."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
+from ddptrain import export
 from ddptrain.launch import launch
 from tests.conftest import (
     REPO,
@@ -53,38 +56,64 @@ COMMON = [
 STEPS_PER_EPOCH = 240 // 16  # 2 ranks x 8 rows, length_grouped drops nothing at 240 rows
 
 
+def saved_tensors(folder: Path) -> dict:
+    """Every tensor in a folder's safetensors files: an adapter's, or a full fine-tune's model."""
+    files = sorted(folder.glob("*.safetensors"))
+    assert files, f"{folder} holds no safetensors file"
+    return {key: value for file in files for key, value in load_file(str(file)).items()}
+
+
 def final_weights(run_dir: Path) -> dict:
-    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    return saved_tensors(run_dir / "adapter")
 
 
 def assert_bit_identical(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        assert (a[key] == b[key]).all(), f"{key} differs"
+        assert torch.equal(a[key], b[key]), f"{key} differs"
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
-@pytest.mark.parametrize("batching", ["length_grouped", "token_budget", "packed"])
-def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path, batching) -> None:
+def untied_tiny_model(folder: Path) -> Path:
+    """The bundled tiny model's architecture with its own LM head (tie_word_embeddings=false), written to ``folder``
+    (the tiny preset's model.init=random builds it from the config alone)."""
+    config = json.loads((REPO / "ddptrain" / "assets" / "tiny_qwen2" / "config.json").read_text())
+    assert config["tie_word_embeddings"], "the bundled model ties its head: the other cases cover a tied one"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return folder
+
+
+# LoRA resumes in two batchings; the third trains a full fine-tune whose head is not tied (the tied head resumes in
+# the restart tests below, model.lora=false there too).
+@pytest.mark.parametrize(
+    ("batching", "weights"), [("length_grouped", "lora"), ("token_budget", "lora"), ("packed", "full-untied")]
+)
+def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path, batching, weights) -> None:
     """Checkpoints of an uninterrupted run (one per step) are resumed from a mid-epoch step and from the
     last step of epoch 1; both resumed runs end bit-identical to it, with the same logged losses."""
+    untied = untied_tiny_model(tmp_path / "untied") if weights == "full-untied" else None
+    full = [] if untied is None else ["model.lora=false", f"model.name_or_path={untied}"]
     args = [
         "parallel=ddp2",
         *COMMON,
+        *full,
         f"data.batching={batching}",
         "data.max_tokens_per_batch=1024",
         # A loader worker (started at every epoch and resume) in one mode: they are slow to start here.
         f"data.num_workers={1 if batching == 'length_grouped' else 0}",
         f"trainer.max_steps={STEPS_PER_EPOCH + 6}",
     ]
-    full = train_in_process(tmp_path / "full", [*args, "trainer.save_every_n_steps=1", "trainer.keep_last_n=100"])
-    reference, ref_losses = final_weights(full), train_losses(full)
+    whole = train_in_process(tmp_path / "whole", [*args, "trainer.save_every_n_steps=1", "trainer.keep_last_n=100"])
+    reference, ref_losses = final_weights(whole), train_losses(whole)
+    if untied is not None:  # the head is saved, a tensor of its own
+        assert not torch.equal(reference["lm_head.weight"], reference["model.embed_tokens.weight"])
     manifests = {
         p: json.loads((p / "manifest.json").read_text())
-        for p in sorted((full / "checkpoints").iterdir())
+        for p in sorted((whole / "checkpoints").iterdir())
         if p.name.startswith("step-")
     }
     first_epoch = [p for p, m in manifests.items() if m["epoch"] == 0]
@@ -93,7 +122,12 @@ def test_resume_from_mid_epoch_and_epoch_boundary_equals_uninterrupted(tmp_path,
         run = train_in_process(tmp_path / f"resumed-{resume_from.name}", [*args, f"trainer.resume={resume_from}"])
         assert_bit_identical(final_weights(run), reference)
         checked = [r for r in read_metrics(run) if "save_check_s" in r]  # a resumed run's saves load as trained
-        assert checked and all(r["save_check_max_abs_diff"] <= 1e-5 for r in checked)
+        if weights == "lora":
+            assert checked and all(r["save_check_max_abs_diff"] <= 1e-5 for r in checked)
+        else:  # every tensor of each folder compared bit for bit in plain transformers (the head saved: none left out)
+            assert checked and all(
+                r["save_check_tensors"] == len(reference) * len(r["save_check_folders"]) for r in checked
+            )
         losses = train_losses(run)
         assert min(losses) == manifests[resume_from]["step"] + 1
         assert all(losses[s] == ref_losses[s] for s in losses), "metrics after resuming differ"
@@ -173,15 +207,18 @@ KILL_AFTER_STEP = 5
 SAVE_EVERY = 4
 RESTART_STEPS = 12
 RESTART_ARGS = [
-    *(arg for arg in COMMON if not arg.startswith("data.eval_fraction=")),
+    *(arg for arg in COMMON if not arg.startswith(("data.eval_fraction=", "model.lora_dropout="))),
+    # A full fine-tune of the bundled model, whose LM head is tied to its embedding (the weights leave the head out).
+    # LoRA resumes in the test above and in tests/e2e/test_signals.py.
+    "model.lora=false",
     # An evaluation every 4 steps: the best so far (best/, and the checkpoint kept for it) survives the restart. The
-    # learning rate climbs past what the model takes, so the eval loss falls to step 8 and rises at step 12: the best
-    # is not the last evaluation.
+    # best is built, not found: at the tiny preset's learning rate (5e-3, well within what the model takes) the eval
+    # loss falls at every evaluation, by far more than rounding (the fixture checks it), and
+    # trainer.greater_is_better=true ranks the highest loss the best: the first evaluation, kept while later ones
+    # are not.
     "data.eval_fraction=0.03",
     "trainer.eval_every_n_steps=4",
-    "optim.lr=1.0",
-    "optim.scheduler=constant",
-    "optim.warmup_steps=12",
+    "trainer.greater_is_better=true",
     "trainer.keep_last_n=1",
     "data.num_workers=2",
     "data.max_rows=600",
@@ -196,18 +233,42 @@ def uninterrupted_restart_run(tmp_path_factory) -> Path:
     process: what it is compared with is the command line's)."""
     ref = train_in_process(tmp_path_factory.mktemp("ref") / "run", ["parallel=ddp2", *RESTART_ARGS])
     assert read_metrics(ref)[-1]["step"] == RESTART_STEPS
+    evals = [r["eval_loss"] for r in read_metrics(ref) if "eval_loss" in r]
+    falls = [before - after for before, after in itertools.pairwise(evals)]
+    # Rounding moves an fp32 loss of ~8 by ~1e-6; a fall of 0.01 is no kernel's accident.
+    assert len(evals) == RESTART_STEPS // 4 and min(falls) > 0.01, (
+        f"the eval loss must fall at every evaluation: {evals}"
+    )
     best = json.loads((ref / "best" / "best.json").read_text())["step"]
-    assert best < RESTART_STEPS, "the best evaluation must not be the last one, or keeping it proves nothing"
+    assert best == 4, "greater_is_better=true on a falling loss: the first evaluation is the best"
     return ref
 
 
 def assert_same_best(run: Path, reference: Path) -> None:
     """The restarted run chose the best evaluation the uninterrupted one chose: the same step and loss in best/, the
-    same adapter bit for bit, and the checkpoint kept for it."""
+    same weights bit for bit, and the checkpoint kept for it."""
     named, expected = (json.loads((r / "best" / "best.json").read_text()) for r in (run, reference))
     assert (named["step"], named["eval_loss"]) == (expected["step"], expected["eval_loss"])
-    assert_bit_identical(*(load_file(str(r / "best" / "adapter_model.safetensors")) for r in (run, reference)))
+    assert_bit_identical(*(saved_tensors(r / "best") for r in (run, reference)))
     assert (run / "checkpoints" / f"step-{named['step']:08d}").is_dir()
+
+
+def assert_export_loads_as_trained(run: Path, out: Path) -> None:
+    """``python -m ddptrain.export <run> <out>`` writes a folder plain transformers loads with the run's weights bit
+    for bit and its head tied to its embedding, as in training (the files leave the head out)."""
+    export.main([str(run), str(out)])
+    model = AutoModelForCausalLM.from_pretrained(out)
+    trained, loaded = final_weights(run), model.state_dict()
+    assert "lm_head.weight" not in trained and loaded.keys() - trained.keys() == {"lm_head.weight"}
+    assert model.lm_head.weight is model.get_input_embeddings().weight, "the exported head is not tied"
+    assert_bit_identical({key: loaded[key] for key in trained}, trained)
+
+
+def assert_every_save_checked(run: Path) -> None:
+    """Rank 0 proved each folder it saved loads in plain transformers bit for bit (the best at step 4, the checkpoint
+    at step 8 before or after the restart, the last one and adapter/ at the end)."""
+    checked = {r["step"] for r in read_metrics(run) if r.get("save_check_tensors")}
+    assert {4, 8, RESTART_STEPS} <= checked, f"save checks at steps {sorted(checked)}"
 
 
 def assert_resumed_once_from_the_last_checkpoint(run: Path) -> None:
@@ -243,6 +304,11 @@ def test_killed_worker_restarts_and_ends_with_the_same_parameters(
     assert_bit_identical(final_weights(run), final_weights(uninterrupted_restart_run))
     assert_resumed_once_from_the_last_checkpoint(run)
     assert_same_best(run, uninterrupted_restart_run)
+    assert_every_save_checked(run)
+    best = json.loads((run / "best" / "best.json").read_text())
+    last_line = f"the best weights (step 4, eval_loss {best['eval_loss']:.4f}) are in {run / 'best'}"
+    assert last_line in output, output[-800:]
+    assert_export_loads_as_trained(run, tmp_path / "exported")
 
 
 def test_only_rank_zero_writes_in_the_run_directory(tmp_path) -> None:
@@ -355,4 +421,5 @@ def test_two_torchrun_nodes_train_one_run(tmp_path, uninterrupted_restart_run) -
     # Once: the first round trained undisturbed until the kill, the second resumed.
     assert_resumed_once_from_the_last_checkpoint(run)
     assert_same_best(run, uninterrupted_restart_run)
+    assert_every_save_checked(run)
     assert "rank 0 of 2 on cpu" in (run / "train.log").read_text(), "one group of two, across the two agents"

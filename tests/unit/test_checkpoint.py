@@ -1,4 +1,5 @@
-"""Checkpoint files: atomic writes that survive a failed save, safe loading, prefixes, export."""
+"""Checkpoint files: atomic writes that survive a failed save, safe loading, prefixes, export, and a full fine-tune's
+weights with a tied head: loaded, and proven by the save check."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from transformers import AutoModelForCausalLM
 
 from ddptrain import checkpoint, export, parallel, rng
 from ddptrain.config import to_yaml
+from ddptrain.evaluation.full_check import FullWeightsCheck
+from ddptrain.evaluation.save_check import SaveCheckError
 from ddptrain.model import build_model, build_tokenizer
 from ddptrain.trainer import Trainer
-from tests.conftest import compose_config
+from tests.conftest import REPO, compose_config
 
 TINY = ["parallel=single", "data.max_rows=64", "data.eval_fraction=0", "trainer.progress_bar=false"]
 
@@ -256,3 +259,97 @@ def test_a_checkpoint_of_a_newer_format_is_refused_naming_both(tmp_path) -> None
     refused = rf"{re.escape(str(folder))} is checkpoint format 4; this ddptrain reads formats 1, 2, 3\. Resume it"
     with pytest.raises(RuntimeError, match=refused):
         build_trainer(tmp_path, [])
+
+
+# ----------------------------------------------------------------------------- full fine-tunes: a tied head
+
+
+def full_model(tmp_path: Path, tied: bool, trained: bool = True) -> torch.nn.Module:
+    """The bundled tiny model as a full fine-tune (model.lora=false) builds it, its LM head tied to its embedding (as
+    shipped) or its own (a copy of the config with tie_word_embeddings=false); ``trained``: every weight moved off
+    its initial value, so that a load that leaves one alone shows."""
+    overrides = ["model.lora=false"]
+    if not tied:
+        folder = tmp_path / "untied-config"
+        if not folder.is_dir():
+            config = json.loads((REPO / "ddptrain" / "assets" / "tiny_qwen2" / "config.json").read_text())
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+        overrides.append(f"model.name_or_path={folder}")
+    model = build_model(compose_config(overrides).model, seed=0, device=torch.device("cpu")).model
+    if trained:
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 0.01)
+    return model
+
+
+def test_full_weights_load_into_a_tied_head_and_a_missing_untied_head_is_refused(tmp_path) -> None:
+    """save_pretrained leaves a tied head out: it loads with the embedding it shares. An untied head left out would
+    keep its random initial values: refused, by name."""
+    trained = full_model(tmp_path, tied=True)
+    trained.save_pretrained(tmp_path / "tied")
+    assert "lm_head.weight" not in checkpoint.read_weights(tmp_path / "tied"), "the files hold no head: the case"
+    fresh = full_model(tmp_path, tied=True, trained=False)
+    checkpoint.load_trainable_weights(fresh, tmp_path / "tied")
+    assert fresh.lm_head.weight is fresh.get_input_embeddings().weight
+    expected, loaded = trained.state_dict(), fresh.state_dict()
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
+
+    full_model(tmp_path, tied=False).save_pretrained(tmp_path / "untied")
+    weights = checkpoint.read_weights(tmp_path / "untied")
+    assert weights.pop("lm_head.weight") is not None
+    save_file(weights, str(tmp_path / "untied" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(checkpoint.CheckpointError, match=r"does not fit this model: missing lm_head\.weight;"):
+        checkpoint.load_trainable_weights(full_model(tmp_path, tied=False, trained=False), tmp_path / "untied")
+
+
+def flip_a_bit(folder: Path) -> str:
+    """One bit of one weight in the saved file changed (the lowest of the mantissa: the smallest change there is)."""
+    key = "model.layers.0.mlp.down_proj.weight"
+    weights = checkpoint.read_weights(folder)
+    weights[key].view(torch.int32)[0, 0] ^= 1
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return rf"{key} is not the trained tensor"
+
+
+def untie_on_load(folder: Path) -> str:
+    """The head written out and the config untied: every value right, but the loaded model no longer ties them."""
+    weights = checkpoint.read_weights(folder)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return r"it ties nothing; the training model ties lm_head\.weight = model\.embed_tokens\.weight"
+
+
+def untie_without_head(folder: Path) -> str:
+    """The config untied, the head still left out: transformers would start the head from random values."""
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return r"from_pretrained loads it with missing keys lm_head\.weight"
+
+
+def wrap_keys(folder: Path) -> str:
+    """The keys as a DDP-wrapped model names them: transformers would load none of them."""
+    wrapped = {f"module.{k}": v for k, v in checkpoint.read_weights(folder).items()}
+    save_file(wrapped, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return r"carry a wrapper's prefix \(module\.model\."
+
+
+@pytest.mark.parametrize("corrupt", [None, flip_a_bit, untie_on_load, untie_without_head, wrap_keys])
+def test_the_save_check_of_full_weights_loads_them_in_transformers_bit_for_bit(tmp_path, corrupt) -> None:
+    """trainer.save_check with model.lora=false: the saved folder loads with plain AutoModelForCausalLM and holds the
+    training model's tensors bit for bit, tied head included; each way of spoiling it is named."""
+    model = full_model(tmp_path, tied=True)
+    folder = tmp_path / "weights"
+    model.save_pretrained(folder)
+    check = FullWeightsCheck(model, torch.float32)
+    if corrupt is None:
+        record = check([(folder, folder)])
+        assert record["save_check_tensors"] == len(model.state_dict()) and record["save_check_folders"] == [str(folder)]
+        return
+    named = corrupt(folder)
+    with pytest.raises(SaveCheckError, match=named):
+        check([(folder, tmp_path / "shown")])
