@@ -64,12 +64,14 @@ def make_plan(
     plan.eval = eval_peak(model, evaluated) if evaluated else None
     plan.save_check = save_check_bytes(model, cfg, config.vocab_size, device)
     if with_levers:
-        shape = plan.fullest.candidate.shape
-        plan.largest = largest_fitting(plan, model, cfg, shape.targets / shape.tokens)
+        # Every position trained, as every row is at data.max_length: the costliest micro-batch of the size named,
+        # whatever the data. The fullest micro-batch's own share of trained tokens named sizes whose costliest
+        # micro-batch, at that size, trains a larger share and does not fit.
+        plan.largest = largest_fitting(plan, model, cfg, targets_per_token=1.0)
         plan.levers = levers(plan, cfg, data, spec, config, model)
         if plan.check_peak == plan.worst:  # the save check is what does not fit: it can go
             without = max(plan.peak(plan.fullest), plan.peak(plan.eval) if plan.eval else 0)
-            plan.levers.append(Lever("trainer.save_check=off", without, "no second copy of the base on rank 0"))
+            plan.levers.append(Lever("trainer.save_check=off", without, "no second copy of the weights on rank 0"))
     return plan
 
 

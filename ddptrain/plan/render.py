@@ -47,11 +47,12 @@ def render_plan(plan: MemoryPlan, title: str) -> str:
     if plan.save_check:
         lines.append(
             f"save check peak (rank 0, trainer.save_check): {_gib(plan.check_peak)} GiB, of which "
-            f"{_gib(plan.save_check)} GiB the base loaded again and the probe's logits"
+            f"{_gib(plan.save_check)} GiB the saved weights loaded again (LoRA: the base, and the probe's logits)"
         )
     lines += ["", verdict(plan)]
     if plan.largest:
-        lines.append(f"largest that fits: {plan.largest}")
+        worst = "every row at data.max_length, every token trained"
+        lines.append(f"largest that fits ({worst}): {plan.largest}")
     if plan.levers:
         lines.append(f"levers (the fullest rank's peak, now {_gib(plan.peak(plan.fullest))} GiB):")
         width = max(len(lever.overrides) for lever in plan.levers)

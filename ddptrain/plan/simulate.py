@@ -188,11 +188,17 @@ def _fake_loss_module(config: PretrainedConfig, cfg: ModelConfig, mode: FakeTens
     module = CausalLMLoss(model, cfg.loss_chunk_tokens)
     module.train()
     with mode:
+        # One fake per parameter, shared where the model shares it (an LM head tied to the embedding): the weights
+        # are counted once, as the real model holds them. The original is kept beside its fake, so that its id is
+        # not reused by another parameter while the modules are walked.
+        fakes: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
         for owner in module.modules():
             for name, p in owner._parameters.items():
                 if p is not None:
-                    fake = torch.empty_like(p, device="cpu")
-                    owner._parameters[name] = nn.Parameter(fake, requires_grad=p.requires_grad)
+                    if id(p) not in fakes:
+                        fake = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+                        fakes[id(p)] = (p, fake)
+                    owner._parameters[name] = fakes[id(p)][1]
             for name, b in owner._buffers.items():
                 if b is not None:
                     owner._buffers[name] = torch.empty_like(b, device="cpu")

@@ -47,45 +47,56 @@ def test_a_rank_generates_its_samples_while_the_other_rank_is_away(tmp_path) -> 
     assert first["rows"] == late["rows"] and [row["prompt"] for row in first["rows"]] == PROMPTS
 
 
-def long_text_rows(path: Path, rows: int, words: tuple[int, int]) -> Path:
-    """Plain-text rows of a random number of words in ``words`` (the tiny tokenizer makes about 2 tokens a word)."""
+def text_rows(path: Path, words: list[tuple[int, int]], seed: int) -> Path:
+    """Plain-text rows, one per range in ``words``, of a random number of words in it (the tiny tokenizer makes about
+    2 tokens a word)."""
     vocabulary = "red blue green river stone music window garden silver paper light north quiet bridge".split()
-    draw = random.Random(0)
-    texts = [" ".join(draw.choices(vocabulary, k=draw.randint(*words))) for _ in range(rows)]
+    draw = random.Random(seed)
+    texts = [" ".join(draw.choices(vocabulary, k=draw.randint(*span))) for span in words]
     path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     return path
 
 
-def five_layer_qwen2(folder: Path) -> Path:
-    """The bundled tiny Qwen2 with 5 decoder layers instead of 2: more than the planner simulates whole (it simulates
-    copies cut to 2 and 3 layers and carries the difference on), so the prediction checked is the carried-on one."""
+def five_layer_qwen2(folder: Path, vocab_size: int) -> Path:
+    """The bundled tiny Qwen2 with 5 decoder layers instead of 2 and a vocabulary of ``vocab_size`` (the tokenizer's
+    4,257 ids are among them): more layers than the planner simulates whole (it simulates copies cut to 2 and 3
+    layers and carries the difference on), so the prediction checked is the carried-on one."""
     config = json.loads((Path(compose_config([]).model.name_or_path) / "config.json").read_text())
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}))
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5, "vocab_size": vocab_size}))
     return folder
 
 
+MICRO_BATCH = 4
+LONG, SHORT = (400, 520), (120, 200)  # words: rows of about 800-1,040 tokens (cut at 1,024), and 240-400
+TOLERANCE = 0.15  # what the plan claims for each rank's peak (issue 24): twice it is the least the ranks must differ
+
+
 def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_within_15_percent(tmp_path) -> None:
-    """A 2-rank run of a 5-layer model, 6 rows of up to 2,048 tokens per micro-batch (padded: a mask in every layer),
-    whose activations dominate (over 1 GiB on the fuller rank): each rank's plan, made at start from the real data
-    through the real sampler, predicts within 15% the peak resident memory its first step adds (the costliest,
-    data.costliest_first) and the peak its evaluation adds (the costliest eval micro-batch, on the rank it goes to),
-    each measured with the peak reset right before, each rank handing freed memory back to the system
-    (``workers_evaluation.hand_freed_memory_back``) so that its resident set follows what is alive."""
+    """A 2-rank run of a 5-layer model with a 16k vocabulary and the LM head unchunked (model.loss_chunk_tokens=0):
+    its (targets x vocabulary) fp32 logits and their gradients make the transients (what the step holds beyond
+    what it keeps for backward) at least 30% of each rank's predicted peak. The training set is one micro-step of
+    rows by design: data.batching=length_grouped sorts it, so one rank gets the 4 long rows and the other the 4
+    short ones, and the two ranks' peaks differ by more than twice the tolerance (one prediction cannot pass for
+    both). Each rank's plan, made at start from the real data through the real sampler, predicts within 15% the
+    peak resident memory its step adds and the peak its evaluation adds (the costliest eval micro-batch, on the
+    rank it goes to), each measured with the peak reset right before, each rank handing freed memory back to the
+    system (``workers_evaluation.hand_freed_memory_back``) so that its resident set follows what is alive."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    rows = long_text_rows(tmp_path / "long.jsonl", rows=36, words=(600, 1300))
+    halves = [LONG] * MICRO_BATCH + [SHORT] * MICRO_BATCH
     cfg = compose_config(
         [
             "parallel=ddp2",
-            f"model.name_or_path={five_layer_qwen2(tmp_path / 'five-layers')}",
+            f"model.name_or_path={five_layer_qwen2(tmp_path / 'five-layers', vocab_size=16384)}",
+            "model.loss_chunk_tokens=0",  # the whole (targets x vocabulary) logits at once: large transients
             "parallel.timeout_s=120",
-            f"data.path={rows}",
+            f"data.path={text_rows(tmp_path / 'train.jsonl', halves, seed=0)}",
+            f"data.eval_path={text_rows(tmp_path / 'eval.jsonl', halves, seed=1)}",
             "data.template=text",
-            "data.max_length=2048",
-            "data.micro_batch_size=6",
-            "data.costliest_first=true",
-            "data.eval_fraction=0.34",  # about 12 eval rows, in micro-batches of up to 6: each rank gets some
+            "data.max_length=1024",
+            f"data.micro_batch_size={MICRO_BATCH}",
+            "data.batching=length_grouped",
             "trainer.eval_every_n_steps=1",
             "trainer.max_steps=1",
             "trainer.save_final=false",
@@ -97,20 +108,28 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
     launch(cfg, run_dir, entrypoint=train_a_step_measuring_its_memory)
     measured = [json.loads((run_dir / f"memory-rank{rank}.json").read_text()) for rank in (0, 1)]
     predicted = [m["predicted_allocated_gb"] * GIB - m["weights"] for m in measured]  # the weights were there before
-    assert max(predicted) >= GIB, f"activations must dominate, predicted {max(predicted) / GIB:.3f} GiB"
+    # Transients of 30% or more: a plan that left them out would miss each rank's peak by over twice the tolerance.
+    for rank, m in enumerate(measured):
+        share = m["planned_transient"] / (m["planned_activations"] + m["planned_transient"])
+        assert share >= 0.3, f"rank {rank}: the transients are only {share:.0%} of what the step adds"
     added = [m["step_increase"] for m in measured]
-    assert min(added) < 0.85 * max(added), "the ranks' micro-batches must differ, or one plan would do for both"
+    print(f"steps added {[f'{a / GIB:.3f}' for a in added]} GiB, predicted {[f'{p / GIB:.3f}' for p in predicted]}")
+    assert min(added) < (1 - 2 * TOLERANCE) * max(added), f"the ranks' steps must differ by over 30%: {added}"
     for rank, (m, p) in enumerate(zip(measured, predicted, strict=True)):
         assert m["padded"] > m["tokens"], f"rank {rank}: some row must be shorter than the micro-batch's width"
         error = abs(p - m["step_increase"]) / m["step_increase"]
-        assert error <= 0.15, f"rank {rank}: predicted {p / GIB:.3f} GiB, the step added {m['step_increase'] / GIB:.3f}"
+        assert error <= TOLERANCE, (
+            f"rank {rank}: predicted {p / GIB:.3f} GiB, the step added {m['step_increase'] / GIB:.3f}"
+        )
     # The evaluation: the plan's eval peak (its costliest eval micro-batch, on whichever rank it goes to) less what was
-    # alive before it: the weights, and the LoRA parameters' gradients and AdamW states, 1.2 MB here, which the
-    # prediction counts too. The other rank's eval batches cost less.
+    # alive before it: the weights, and the LoRA parameters' gradients and AdamW states, which the prediction counts
+    # too. The other rank's eval batch (the short rows) costs less.
     predicted_eval = measured[0]["predicted_eval_gb"] * GIB - measured[0]["weights"]
     assert all(m["eval_padded"] > 0 for m in measured), "each rank evaluates a micro-batch"
     costliest = max(m["eval_increase"] for m in measured)
-    assert abs(predicted_eval - costliest) / costliest <= 0.15, (
+    evaluations = [round(m["eval_increase"] / GIB, 3) for m in measured]
+    print(f"evaluations added {evaluations} GiB, predicted {predicted_eval / GIB:.3f}")
+    assert abs(predicted_eval - costliest) / costliest <= TOLERANCE, (
         f"predicted {predicted_eval / GIB:.3f} GiB for evaluation, it added {costliest / GIB:.3f} GiB"
     )
-    assert all(m["eval_increase"] <= 1.15 * predicted_eval for m in measured)
+    assert all(m["eval_increase"] <= (1 + TOLERANCE) * predicted_eval for m in measured)

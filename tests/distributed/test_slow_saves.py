@@ -1,6 +1,7 @@
 """Saves on 2 gloo ranks that take as long as they take: rank 0's checkpoint write held past parallel.timeout_s
 does not fail the run (the other rank waits through the store, up to trainer.save_timeout_s), the run resumes from
-that checkpoint exactly, and a write that fails on rank 0 still ends both ranks at once, each with rank 0's error."""
+that checkpoint exactly, and a write that fails on rank 0 still ends both ranks at once, each with rank 0's error;
+a write stuck past trainer.save_timeout_s ends both ranks, naming the key."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ import pytest
 
 from ddptrain.launch import launch
 from tests.conftest import compose_config, read_metrics
-from tests.distributed.workers_saves import HOLD_S, train_with_rank0_save_failing, train_with_rank0_save_held
+from tests.distributed.workers_saves import (
+    HOLD_S,
+    STUCK_S,
+    train_with_rank0_save_failing,
+    train_with_rank0_save_held,
+    train_with_rank0_save_stuck,
+)
 
 pytestmark = pytest.mark.dist
 
@@ -100,3 +107,34 @@ def test_a_save_longer_than_the_collective_timeout_finishes_resumes_and_a_failed
         with contextlib.suppress(OSError):
             f.close()
     assert not closed, f"the failed launch closed file descriptors it did not own: {closed}"
+
+
+SAVE_TIMEOUT_S = 2  # trainer.save_timeout_s: rank 1 gives up on rank 0's write after this long
+
+
+@pytest.mark.timeout(120)  # a wait without a limit would end only with the stuck write, STUCK_S later: not a hang
+def test_a_save_stuck_past_save_timeout_s_ends_both_ranks_naming_the_key(tmp_path) -> None:
+    """Rank 0's write of step 1 is stuck for STUCK_S; rank 1 waits for it trainer.save_timeout_s=2 s, then fails
+    naming the key and its value, and both ranks are gone long before the write would have ended."""
+    assert STUCK_S > 2 * (SAVE_TIMEOUT_S + ENDS_WITHIN_S), "the stuck write must outlast the bound by far"
+    run_dir = tmp_path / "stuck"
+    run_dir.mkdir()
+    short = [a for a in ARGS if not a.startswith(("trainer.max_steps=", "trainer.save_every_n_steps="))]
+    overrides = [
+        *short,
+        "trainer.max_steps=1",
+        "trainer.save_every_n_steps=1",
+        f"trainer.save_timeout_s={SAVE_TIMEOUT_S}",
+    ]
+    with pytest.raises(RuntimeError, match="training failed") as failed:
+        launch(
+            compose_config([*overrides, f"trainer.output_dir={tmp_path}"]),
+            run_dir,
+            entrypoint=train_with_rank0_save_stuck,
+        )
+    ended_s = time.time() - float((run_dir / "stuck_at").read_text())
+    named = f"rank 0 did not save the checkpoint of step 1 within trainer.save_timeout_s={SAVE_TIMEOUT_S} s"
+    assert named in (run_dir / "error1.txt").read_text()
+    assert named in str(failed.value), str(failed.value)
+    assert "Free space" not in (run_dir / "error1.txt").read_text(), "a slow save is not a full disk"
+    assert ended_s < SAVE_TIMEOUT_S + ENDS_WITHIN_S, f"both ranks ended {ended_s:.1f} s after rank 0's write began"

@@ -81,9 +81,15 @@ def train_a_step_measuring_its_memory(cfg: RunConfig, run_dir: str, store_port: 
     """The real Trainer, planned at start (plan.at_start=true), trains one step and evaluates; around each, every rank
     resets its peak resident set (``clear_refs`` 5) and reads what it added. Writes ``memory-rank{N}.json``: the
     increases, the eval tokens this rank ran, the plan's predictions for this rank (training as the allocator counts
-    it, and evaluation) and the weights' bytes, counted on the real model."""
+    it, and evaluation), what the plan says of its step (the activations kept for backward and the transients on top)
+    and the weights' bytes, counted on the real model."""
+    from ddptrain.plan import at_start
+
     hand_freed_memory_back()
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    plans = []  # the plan this rank made for itself at start, for its breakdown (what the prediction is made of)
+    make_plan = at_start.make_plan
+    at_start.make_plan = lambda *args, **kwargs: plans.append(make_plan(*args, **kwargs)) or plans[-1]
     try:
         setup_logging(env.rank, None)
         trainer = Trainer(cfg, env, Path(run_dir))
@@ -123,7 +129,40 @@ def train_a_step_measuring_its_memory(cfg: RunConfig, run_dir: str, store_port: 
             "predicted_allocated_gb": trainer.memory_plan.allocated_gb[env.rank],
             "predicted_eval_gb": trainer.memory_plan.eval_gb,
             "weights": weights,
+            "planned_activations": plans[0].ranks[0].activations,
+            "planned_transient": plans[0].ranks[0].transient,
         }
         (Path(run_dir) / f"memory-rank{env.rank}.json").write_text(json.dumps(record))
     finally:
         parallel.teardown()
+
+
+def measure_the_steps_of_saved_batches(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """One process (no group): the run's model, as ``build_model`` makes it, and its optimizer take a real training
+    step on each batch saved in ``batches.pt`` (collated), in order; around each, the peak resident set is reset
+    and read (``clear_refs`` 5, freed memory handed back). Writes ``steps.json``: per batch, what the step added,
+    and what was alive before it beyond the weights (the optimizer states of earlier steps, counted on the
+    tensors); and the weights' bytes, counted on the real model."""
+    import torch
+
+    from ddptrain.optim import build_optimizer
+
+    hand_freed_memory_back()
+    model = build_model(cfg.model, cfg.trainer.seed, torch.device("cpu"))
+    optimizer = build_optimizer(cfg.optim, model)
+    records = []
+    for batch in torch.load(Path(run_dir) / "batches.pt"):
+        optimizer.zero_grad(set_to_none=True)
+        states = sum(
+            t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+        )
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")
+        before = resident_bytes()
+        loss, _ = model(**batch)
+        loss.backward()
+        optimizer.step()
+        records.append({"increase": peak_resident_bytes() - before, "alive_before": states})
+        del loss
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    (Path(run_dir) / "steps.json").write_text(json.dumps({"steps": records, "weights": weights}))

@@ -159,8 +159,12 @@ def test_a_rank_that_moved_on_from_its_dumped_phase_does_not_leave(tmp_path) -> 
 def test_watch_dumps_stacks_on_sigusr1(tmp_path) -> None:
     with hangs.watch(tmp_path, rank=0, world_size=1, timeout_s=600):
         os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.2)
-        stacks = (tmp_path / "rank0.stacks.txt").read_text()
+        # faulthandler writes from its C signal handler, delivered before os.kill returns: the dump is there at
+        # once. Looked for up to 10 s all the same, so that a loaded machine cannot fail it; a handler that never
+        # writes still fails it.
+        deadline = time.monotonic() + 10
+        while not (stacks := (tmp_path / "rank0.stacks.txt").read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
     assert "test_watch_dumps_stacks_on_sigusr1" in stacks, stacks
     assert (tmp_path / "rank0.stacks.txt").read_text() == stacks, "a file with a dump is kept"
 
@@ -278,7 +282,11 @@ def test_of_several_ranks_the_stuck_one_is_not_one_whose_own_collective_timed_ou
     with pytest.raises(hangs.CollectiveTimeout, match=stuck), hangs.watch(tmp_path, rank=0, world_size=3, timeout_s=10):
         enter_since("backward", 10)
         raise RuntimeError(GLOO_TIMEOUT)
-    assert time.monotonic() - started < 1, "every waiting rank had recorded its timeout: no need to wait for more"
+    # Where a rank's record is missing, the report waits 2 x hangs.POLL_S (2 s) for the other ranks to write theirs;
+    # with every record there it must not. Without the wait it takes milliseconds of file reads and writes: three
+    # quarters of the wait leaves a loaded machine 1.5 s for them, and a report that waited anyway takes 2 s or more.
+    waited = time.monotonic() - started
+    assert waited < 1.5 * hangs.POLL_S, f"took {waited:.2f} s: every waiting rank had recorded its timeout already"
 
 
 def test_other_errors_pass_through_unchanged_and_leave_a_failure_record(tmp_path) -> None:
@@ -369,20 +377,26 @@ def test_a_host_waiting_for_its_device_reports_that_step_and_times_out_with_a_fa
 
     from ddptrain import parallel
 
-    timeout_s = 2.0  # the watchdog writes the phase file within its 1 s poll: before the wait ends
+    # The watchdog writes the phase file at each hangs.POLL_S (1 s) poll: a 3 s wait gives it two polls to spare
+    # before the wait ends, should a loaded machine hold its thread back.
+    timeout_s = 3.0
     monkeypatch.setattr(parallel.collectives, "_timeout_s", timeout_s)
-    late = parallel.LateRead(torch.tensor(0.0), step=3)
-    late.copied = DeviceNeverDone()
     started = time.monotonic()
-    with pytest.raises(hangs.CollectiveTimeout) as raised, hangs.watch(tmp_path, rank=0, world_size=2, timeout_s=2):
+    late = parallel.LateRead(torch.tensor(0.0), step=3)  # the step's work is queued now: the wait counts from here
+    late.copied = DeviceNeverDone()
+    with pytest.raises(hangs.CollectiveTimeout) as raised, hangs.watch(tmp_path, rank=0, world_size=2, timeout_s=3):
         hangs.board.enter("other", 4)  # the host has queued step 4 meanwhile
         late.value()
     waited = time.monotonic() - started
-    assert timeout_s - 0.1 < waited < timeout_s + 1, f"gave up after {waited:.1f} s, not parallel.timeout_s"
+    # The host looks every 0.5 ms and gives up at the deadline: it cannot end sooner than parallel.timeout_s after
+    # the step was queued (less the clock's resolution), and beyond it only by the time a loaded machine takes to
+    # schedule the thread and raise. Half the timeout allows that; a wait that started its clock again (at the
+    # first look, or at each phase change) would take twice the timeout.
+    assert timeout_s - 0.01 < waited < 1.5 * timeout_s, f"gave up after {waited:.2f} s, not parallel.timeout_s"
     _first_look, *waiting = late.copied.seen  # the first look is quick: a finished step changes no phase
     assert waiting and {(p.name, p.step) for p in waiting} == {("device_wait", 3)}
     assert str(raised.value).startswith(
-        "collective timed out after parallel.timeout_s=2 s on rank 0 in device_wait at step 3"
+        "collective timed out after parallel.timeout_s=3 s on rank 0 in device_wait at step 3"
     )
     record = json.loads((tmp_path / "rank0.failed").read_text())
     assert record["timed_out"] is True and "for the device to finish step 3" in record["error"]

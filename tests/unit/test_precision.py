@@ -86,6 +86,63 @@ def test_on_the_cpu_auto_is_fp32_and_the_cpu_matmuls_are_not_touched(cuda_matmul
     assert (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32) == before
 
 
+# ----------------------------------------------------------------------------- autocast applied
+
+
+def test_under_bf16_every_linear_of_the_trainers_model_multiplies_in_bf16_in_training_and_evaluation(
+    tmp_path, datasets_cache
+) -> None:
+    """trainer.precision=bf16 on the CPU: the Trainer's own model (fp32 weights, LoRA on every linear layer) trains
+    a step and evaluates, and a forward hook on every ``nn.Linear`` it runs sees a bf16 output from fp32 weights:
+    the matmul ran in autocast's dtype, in the training forward and in evaluation alike."""
+    from ddptrain.trainer import Trainer
+
+    overrides = ["parallel=single", "trainer.precision=bf16", "data.max_rows=40", "data.max_length=128"]
+    cfg = compose_config(
+        [
+            *overrides,
+            "data.eval_fraction=0.2",
+            "data.micro_batch_size=4",
+            "trainer.max_steps=1",
+            "trainer.eval_every_n_steps=1",
+            "trainer.save_final=false",
+            "trainer.save_check=off",  # the check of a saved checkpoint compares logits without autocast, by design
+            "trainer.progress_bar=false",
+            f"data.cache_dir={datasets_cache}",
+            f"trainer.output_dir={tmp_path}",
+        ]
+    )
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
+    try:
+        trainer = Trainer(cfg, env, tmp_path)
+        linears = {name: m for name, m in trainer.loss_module.named_modules() if isinstance(m, torch.nn.Linear)}
+        seen: dict[tuple[str, bool], set[torch.dtype]] = {}  # (module, training?) -> output dtypes
+
+        def record(name: str):
+            def hook(module, args, output) -> None:
+                seen.setdefault((name, torch.is_grad_enabled()), set()).add(output.dtype)
+
+            return hook
+
+        handles = [m.register_forward_hook(record(name)) for name, m in linears.items()]
+        try:
+            trainer.fit()
+        finally:
+            for handle in handles:
+                handle.remove()
+    finally:
+        parallel.teardown()
+    assert {m.weight.dtype for m in linears.values()} == {torch.float32}, "fp32 weights: bf16 comes from autocast"
+    trained = {name for name, grad in seen if grad}
+    # 2 layers x 7 projections and their 2 LoRA factors each (the LM head's loss is a chunked GEMM on its weight).
+    assert sum("base_layer" in n for n in trained) == 14 and sum("lora_" in n for n in trained) == 28, sorted(trained)
+    evaluated = {name for name, grad in seen if not grad}
+    assert trained <= evaluated, f"evaluation did not run {sorted(trained - evaluated)}"
+    assert all(dtypes == {torch.bfloat16} for dtypes in seen.values()), {
+        k: v for k, v in seen.items() if v != {torch.bfloat16}
+    }
+
+
 # ----------------------------------------------------------------------------- the MFU peak
 
 

@@ -127,3 +127,56 @@ def test_a_mistyped_key_or_a_row_outside_the_training_set_is_named(tmp_path, dat
     with pytest.raises(SystemExit):
         preview.main([*data, "--rows", "two"])
     assert "--rows two: give row numbers from 0" in capsys.readouterr().err
+
+
+PLAN_ROW = re.compile(r"^ +(\d+) +(\d+) +(\d+) +(\d+) +(\d+) +([\d.]+)% +(\d+)$", flags=re.M)
+
+
+@pytest.mark.parametrize(
+    "batching",
+    [
+        ["data.batching=length_grouped", "data.micro_batch_size=6"],
+        ["data.batching=token_budget", "data.max_tokens_per_batch=1024", "data.pad_to_multiple_of=8"],
+        ["data.batching=packed", "data.max_tokens_per_batch=512"],
+    ],
+    ids=["length_grouped", "token_budget", "packed"],
+)
+def test_the_batch_plan_is_what_the_loader_hands_each_rank_in_epoch_0(batching, datasets_cache, capsys) -> None:
+    """Per rank, the preview's micro-batches, samples, tokens, padded tokens, padding and costliest micro-batch are
+    what the run's sampler, collator and loader hand that rank in epoch 0, counted on the collated tensors (samples
+    as rows, or as the position restarts of a packed row; tokens as the attended positions); the samples left out
+    are those no rank got."""
+    from torch.utils.data import DataLoader
+
+    from ddptrain.data.collate import RowsDataset, build_collator
+    from ddptrain.data.loader import build_batching_spec
+    from ddptrain.data.sampler import DistributedBatchSampler
+
+    overrides = [*batching, "data.max_rows=300", "data.max_length=256", "optim.grad_accum_steps=2"]
+    overrides += [f"data.cache_dir={datasets_cache}"]
+    assert preview.main([*overrides, "--n", "1", "--world-size", "2"]) == 0
+    printed = capsys.readouterr().out
+    shown = [tuple(float(x) if "." in x else int(x) for x in row) for row in PLAN_ROW.findall(printed)]
+    left_out = int(re.search(r"(\d+) sample\(s\) left out of this epoch", printed).group(1))
+
+    cfg = compose_config(overrides)
+    tokenizer = build_tokenizer(cfg.model)
+    data = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
+    spec = build_batching_spec(cfg.data, 2, cfg.optim.grad_accum_steps, cfg.trainer.seed)
+    counted, seen = [], 0
+    for rank in (0, 1):
+        sampler = DistributedBatchSampler(data.train["length"], spec, rank, data.epoch_rows)
+        loader = DataLoader(RowsDataset(data.train), batch_sampler=sampler, collate_fn=build_collator(cfg.data, 0))
+        batches = list(loader)
+        packed = "position_ids" in batches[0]
+        samples = sum(int((b["position_ids"] == 0).sum()) if packed else len(b["input_ids"]) for b in batches)
+        tokens = sum(b["input_ids"].numel() if packed else int(b["attention_mask"].sum()) for b in batches)
+        padded = sum(b["input_ids"].numel() for b in batches)
+        costliest = max(b["input_ids"].numel() for b in batches)
+        # The padding as printed: a percentage to one decimal.
+        counted.append((rank, len(batches), samples, tokens, padded, round(100 * (1 - tokens / padded), 1), costliest))
+        seen += samples
+    assert shown == counted, f"the preview printed {shown}, the loader handed {counted}"
+    assert left_out == len(data.train) - seen
+    if "data.batching=packed" not in batching:
+        assert all(row[5] > 0 for row in counted), "the padding must be something to count"
