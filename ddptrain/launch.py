@@ -153,6 +153,7 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
     signals.start_resource_tracker_deaf_to_preemption()
     cfg = _with_global_batch_size(cfg, start.world_size if start.elastic else cfg.parallel.nproc_per_node or 1)
     from ddptrain.observe.console import FORMAT, build_console
+    from ddptrain.observe.nonfinite import refuse_to_replay_a_divergence
     from ddptrain.observe.run_files import build_run_files
 
     # This process's log until the worker sets up its own (the launcher's lines, start-up warnings).
@@ -168,6 +169,7 @@ def run(cfg: RunConfig, hydra_dir: Path) -> float | None:
         result = worker(cfg, str(run_dir), None, start)
     elif start.elastic:
         start, run_dir = _torchrun_round(cfg, hydra_dir, start, build_run_files(start.is_rank_zero))
+        refuse_to_replay_a_divergence(start.restart_count, run_dir, console)  # torchrun restarts on exit 65
         result = worker(cfg, str(run_dir), None, start)
     elif (cfg.parallel.nproc_per_node or 1) == 1:
         result = worker(cfg, str(run_dir), None, start)

@@ -105,6 +105,7 @@ def step_optimizer(
         The gradient norm, whether it is NaN or infinite (1.0, else 0.0), and whether the update was dropped: device
         values, unread (nothing here waits for the step to finish).
     """
+    assert not (drop_nonfinite and scaler.is_enabled()), "under fp16 the GradScaler drops an overflowing step itself"
     scaler.unscale_(optimizer)
     grad_norm = clip_gradients(params, cfg)
     nonfinite = (~torch.isfinite(grad_norm)).float()  # a 0-d float32: the form the fused optimizer reads

@@ -114,6 +114,7 @@ class Trainer:
                 stopped = stopping and self.step < self.total_steps  # a vote read at the last step: just finish
                 return {**last, **(self.save_and_stop(stop) if stopped else self.finish())}
         except Diverged as diverged:  # every rank at the same step: nothing more is saved; the launcher exits 65
+            self.log_window(self.watch, torch.tensor(float("nan")))  # the steps up to it: the report's numbers
             last_good = checkpoint.newest_complete(self.run_dir / "checkpoints")
             return {DIVERGED: self.guard.record(diverged.verdict, last_good, self.metrics)}
 
@@ -121,7 +122,7 @@ class Trainer:
         """Optimizer steps until the last, a stop request or an early stop: the last metrics record, and whether a
         stop was requested. Raises ``Diverged`` where trainer.on_nonfinite stops the run."""
         bar = build_progress_bar(self.cfg.trainer.progress_bar, self.env.is_rank_zero, self.total_steps, self.step)
-        watch, last, stopping = Stopwatch(), {}, False
+        self.watch, last, stopping = Stopwatch(), {}, False
         self.clock.enter("data", self.step + 1)
         try:
             for micro_batches in self.remaining_steps():
@@ -131,7 +132,7 @@ class Trainer:
                 previous = self.guard.read()  # equal on every rank; its copy has long reached the host
                 stopping = previous is not None and previous.stop_votes > 0
                 self.guard.queue(result.verdict, self.step + 1, result.local_loss)
-                last = self.after_step(result, watch, bar) or last
+                last = self.after_step(result, self.watch, bar) or last
                 if stopping or self.step >= self.total_steps or self.best.should_stop:
                     break
         finally:
@@ -172,8 +173,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.clock.enter("sync", self.step + 1)  # waits for the slowest rank to reach this step
         n_tokens, stop_votes = parallel.all_reduce_sum(counts.to(self.env.device, non_blocking=True))
-        # In fp32 (the scale is exact there), whatever the precision of the loss.
-        scale = self.env.world_size / n_tokens.clamp(min=1).float()
+        scale = self.env.world_size / n_tokens.clamp(min=1).float()  # fp32 (exact there), whatever the loss's dtype
         loss_sum = torch.zeros((), device=self.env.device)
         for i, batch in enumerate(batches):
             self.clock.enter("forward", self.step + 1, i)

@@ -80,7 +80,9 @@ class ProgressBar:
         self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
 
     def update(self, record: dict[str, Any]) -> None:
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
+        # No loss when every step of the window was dropped as non-finite (trainer.on_nonfinite=skip).
+        loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
+        self.bar.set_postfix(loss=loss, tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
 
     def advance(self) -> None:
         self.bar.update(1)

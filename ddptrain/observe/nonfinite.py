@@ -1,16 +1,18 @@
 """A step whose numbers are not finite (``trainer.on_nonfinite``): the flag each step leaves on the device, the verdict
 every rank reads late beside the stop votes, and the record a diverged run ends with.
 
-Why one flag serves every rank without a collective of its own: a NaN or infinite loss on any rank makes that
-rank's gradients NaN, DDP's all-reduce carries them into every rank's gradients, and the norm of the reduced
-gradients (which clipping computes anyway) is then the same, non-finite, on every rank. Every rank computes the same
-flag from the same numbers, drops the same update on the device (``optim.drop_update_if``), and reads the same
-verdict one step later with the stop votes (``parallel.LateRead``): no host sync is added to a step.
+Why one flag serves every rank without a collective of its own: a NaN or infinite loss comes of NaN or infinite
+logits, whose backward makes that rank's gradients NaN; DDP's all-reduce carries them into every rank's gradients,
+and the norm of the reduced gradients (which clipping computes anyway) is then the same, non-finite, on every rank.
+Every rank computes the same flag from the same numbers, drops the same update on the device
+(``optim.drop_update_if``), and reads the same verdict one step later with the stop votes (``parallel.LateRead``):
+no host sync is added to a step.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ import torch
 
 from ddptrain import parallel
 from ddptrain.config import OnNonFinite, TrainerConfig
+from ddptrain.process.signals import DIVERGED_EXIT_CODE
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -166,3 +169,24 @@ def divergence_message(record: dict[str, Any]) -> str:
         f"training diverged at step {step}{how}: {first}. Its update was dropped and nothing after it was saved; "
         f"the last good checkpoint: {kept}. Try {levers}."
     )
+
+
+def refuse_to_replay_a_divergence(restart_count: int, run_dir: Path, console: Any) -> None:
+    """A torchrun restart round (``restart_count`` > 0) of a run that diverged ends at once with exit code 65.
+
+    torchrun restarts the group whenever a rank exits non-zero (``--max-restarts``), and a diverged run's ranks exit
+    65: resumed from its last good checkpoint with the same settings, it would replay the same steps into the same
+    divergence, once per restart allowed. The run diverged when its ``metrics.jsonl`` ends with a divergence record
+    that no later training record follows. A new launch (round 0) trains as asked: changed levers may well help.
+
+    Raises:
+        SystemExit: with ``signals.DIVERGED_EXIT_CODE``, after one line saying why.
+    """
+    from ddptrain.diagnose.runs import divergence
+
+    if restart_count == 0 or not (run_dir / "metrics.jsonl").is_file():
+        return
+    record = divergence(run_dir)
+    if record is not None:
+        console.say(f"ddptrain: not restarting: {divergence_message(record)}")
+        sys.exit(DIVERGED_EXIT_CODE)

@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 from ddptrain import launch as launch_module
 from ddptrain.launch import launch
+from ddptrain.observe.console import build_console
+from ddptrain.observe.nonfinite import refuse_to_replay_a_divergence
 from ddptrain.process import signals
 from tests.conftest import compose_config, read_metrics
 from tests.distributed.workers_nonfinite import train_with_nan_loss
@@ -44,10 +46,13 @@ def diverge(tmp_path: Path, name: str, steps: list[int], extra: list[str]) -> tu
     return run_dir, [json.loads((run_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def plain_step_reads(rank: dict, steps: list[int]) -> list[int]:
-    """Host reads during each of ``steps`` (1-based), from its start to the next step's: the step, the previous step's
-    late read, and whatever ``after_step`` does (nothing on these steps: they neither log nor save)."""
-    return [rank["reads_per_step"][step - 1] for step in steps]
+def assert_one_late_read_per_plain_step(rank: dict, steps: list[int]) -> None:
+    """On each of ``steps`` (1-based; they neither log nor save), from its start to the next step's, the host reads
+    one device value: the verdict (stop votes, finiteness) of the step before, queued a step earlier, so that on a
+    GPU the host never waits for the step in flight. As many reads as before the check, and none of them early."""
+    reads = [rank["reads_per_step"][step - 1] for step in steps]
+    assert reads == [1] * len(steps), rank["reads_per_step"]
+    assert [rank["verdicts_read"][str(step)] for step in steps] == [[step - 1] for step in steps]
 
 
 def saved_steps(run_dir: Path) -> list[str]:
@@ -93,9 +98,8 @@ def test_a_nan_loss_on_one_rank_stops_both_at_that_step_saving_nothing_after_it(
     assert not (run_dir / "adapter").exists()
     report = json.loads((run_dir / "report.json").read_text())
     assert report["verdict"] == "diverged" and "step 7 on rank(s) 1" in report["headline"]
-    # One host read per step (the late read of the step's stop votes and verdict), as without the check.
     for rank in ranks:
-        assert plain_step_reads(rank, [2, 3, 5, 6]) == [1] * 4, rank["reads_per_step"]
+        assert_one_late_read_per_plain_step(rank, [2, 3, 5, 6])
 
 
 def test_skip_drops_each_poisoned_update_trains_on_and_stops_after_max_skipped_steps_in_a_row(tmp_path) -> None:
@@ -118,7 +122,7 @@ def test_skip_drops_each_poisoned_update_trains_on_and_stops_after_max_skipped_s
         run_dir / "checkpoints" / "step-00000008"
     )
     for rank in ranks:
-        assert plain_step_reads(rank, [2, 3, 5, 6, 7]) == [1] * 5, rank["reads_per_step"]
+        assert_one_late_read_per_plain_step(rank, [2, 3, 5, 6, 7])
 
 
 def test_a_diverged_run_exits_with_its_own_code_naming_the_step_and_the_levers(tmp_path, monkeypatch, capsys) -> None:
@@ -140,3 +144,20 @@ def test_a_diverged_run_exits_with_its_own_code_naming_the_step_and_the_levers(t
     said = capsys.readouterr()
     assert "ddptrain: training diverged at step 1: the loss was NaN or infinite on rank(s) 0" in said.out + said.err
     assert "optim.lr=" in said.out + said.err
+    # It diverged before its first log line: the steps up to it are logged (a window without a finite loss: null),
+    # so the report has its numbers and its verdict.
+    window, record = read_metrics(tmp_path)[-2:]
+    assert (window["step"], window["loss"], window["grad_norm"], record["diverged"]) == (1, None, None, True)
+    assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "diverged"
+
+    # A torchrun restart round (its ranks exited 65) would replay the same steps into the same divergence: it ends at
+    # once with the same code; a new launch (round 0) trains as asked.
+    refuse_to_replay_a_divergence(0, tmp_path, build_console(True))
+    with pytest.raises(SystemExit) as refused:
+        refuse_to_replay_a_divergence(1, tmp_path, build_console(True))
+    assert (
+        refused.value.code == 65 and "ddptrain: not restarting: training diverged at step 1" in capsys.readouterr().err
+    )
+    with (tmp_path / "metrics.jsonl").open("a") as metrics:  # trained on past it (resumed with other settings)
+        metrics.write(json.dumps({**window, "step": 2, "loss": 3.5}) + "\n")
+    refuse_to_replay_a_divergence(1, tmp_path, build_console(True))

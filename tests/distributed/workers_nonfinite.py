@@ -1,7 +1,7 @@
 """Entrypoints for tests/distributed/test_nonfinite.py: the product's worker with a NaN loss injected by design on one
 rank at the steps ``inject.json`` names, each rank recording what the test checks in ``rank<N>.json``: what its run
-returned, how many steps it trained, its trainable weights and its optimizer's step count after each step, and the
-host reads of device values its step code made per step."""
+returned, how many steps it trained, its trainable weights and its optimizer's step count after each step, the host
+reads of device values its step code made per step, and which step's verdict each late read brought."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def _digest(tensors: list[torch.Tensor]) -> str:
 def train_with_nan_loss(cfg: RunConfig, run_dir: str, store_port: int | None) -> Any:
     """The product's worker; on rank ``inject["rank"]``, the training loss of each step in ``inject["steps"]`` is
     multiplied by NaN, as a loss that overflowed would be: its backward makes that rank's gradients NaN."""
-    from ddptrain import launch
+    from ddptrain import launch, parallel
     from ddptrain.model import CausalLMLoss
     from ddptrain.trainer import Trainer
 
@@ -79,6 +79,12 @@ def train_with_nan_loss(cfg: RunConfig, run_dir: str, store_port: int | None) ->
     reads_at_step_start: list[int] = []
 
     forward, train_step, init = CausalLMLoss.forward, Trainer.train_step, Trainer.__init__
+    late_values = parallel.LateRead.values
+    verdicts_read: dict[int, list[int]] = {}  # by the last step trained when it was read: the steps whose verdict
+
+    def recorded_read(self: parallel.LateRead) -> list[float]:
+        verdicts_read.setdefault(trained[-1], []).append(self.waits_in.step)
+        return late_values(self)
 
     def poisoned(self: CausalLMLoss, *args: Any, **kwargs: Any) -> Any:
         loss_sum, n_tokens = forward(self, *args, **kwargs)
@@ -108,9 +114,16 @@ def train_with_nan_loss(cfg: RunConfig, run_dir: str, store_port: int | None) ->
         self.optimizer.register_step_post_hook(after)
 
     CausalLMLoss.forward, Trainer.train_step, Trainer.__init__ = poisoned, counted_step, recorded_init
+    parallel.LateRead.values = recorded_read
     with reads:
         result = launch.worker(cfg, run_dir, store_port)
     per_step = [b - a for a, b in itertools.pairwise(reads_at_step_start)]
-    record = {"result": result, "trained": trained, "after_steps": after_steps, "reads_per_step": per_step}
+    record = {
+        "result": result,
+        "trained": trained,
+        "after_steps": after_steps,
+        "reads_per_step": per_step,
+        "verdicts_read": verdicts_read,
+    }
     (Path(run_dir) / f"rank{rank}.json").write_text(json.dumps(record))
     return result

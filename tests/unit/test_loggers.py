@@ -344,3 +344,15 @@ def test_metrics_jsonl_keeps_one_type_per_column_and_the_loggers_chart_the_nan(t
     }
     (got,) = recorder.got
     assert math.isnan(got["loss"]) and got["grad_norm"] == math.inf
+
+
+def test_the_progress_bar_shows_a_window_without_a_finite_loss(capsys) -> None:
+    """Under trainer.on_nonfinite=skip a log window whose every step was dropped logs loss null: rank 0's bar says so
+    instead of failing the run there (the other ranks would wait for it until the collective timeout)."""
+    from ddptrain.observe.console import ProgressBar
+
+    bar = ProgressBar(total=2)
+    bar.update({"loss": None, "tokens_per_s": 12.0})
+    bar.advance()
+    bar.close()
+    assert "loss=n/a" in capsys.readouterr().err

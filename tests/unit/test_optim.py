@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from ddptrain import optim
 from ddptrain.config import OptimConfig, Scheduler
 from ddptrain.optim import build_optimizer, build_scheduler, drop_update_if, lr_multiplier
 
@@ -122,18 +123,49 @@ def test_a_checkpoint_of_another_implementation_keeps_the_fused_step_that_drops_
     ``fused`` flag: loaded, this optimizer stays fused, so a dropped update (``drop_update_if``) still leaves every
     weight, moment and step count as it was."""
     model = TwoLayers()
-    saved = build_optimizer(OptimConfig(lr=0.1), model).state_dict()
-    for group in saved["param_groups"]:  # as a CPU run of ddptrain before the fused optimizer saved it
-        group.update(fused=None, foreach=True)
+    groups = [[g for g in group["params"]] for group in build_optimizer(OptimConfig(lr=0.1), model).param_groups]
+    old = torch.optim.AdamW([{"params": params} for params in groups], lr=0.1, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) if p.requires_grad else None
+    old.step()  # moments and a step count of 1, as a checkpoint after one step holds them
     optimizer = build_optimizer(OptimConfig(lr=0.1), model)
-    optimizer.load_state_dict(saved)
+    optimizer.load_state_dict(old.state_dict())
     assert all(group["fused"] for group in optimizer.param_groups)
+    state = optimizer.state[model.adapter.weight]
+    kept = {key: value.clone() for key, value in state.items()}
     model.adapter.weight.grad = torch.full_like(model.adapter.weight, math.nan)
     before = model.adapter.weight.detach().clone()
     with drop_update_if(optimizer, torch.tensor(1.0)):
         optimizer.step()
     assert torch.equal(model.adapter.weight, before)
-    assert (
-        int(optimizer.state[model.adapter.weight]["step"]) == 0
-        and not optimizer.state[model.adapter.weight]["exp_avg"].any()
-    )
+    assert all(torch.equal(state[key], kept[key]) for key in kept) and int(state["step"]) == 1
+
+
+def test_under_fp16_the_loss_scaler_drops_overflows_and_only_max_skipped_steps_in_a_row_stop_the_run():
+    """trainer.precision=fp16: an overflowing step is the GradScaler's routine (it drops the update and halves its
+    scale), so trainer.on_nonfinite=stop does not stop at the first one; trainer.max_skipped_steps of them in a row
+    do, and the record offers bf16. The drop flag is the scaler's own (its scale went down), read on the device."""
+    from ddptrain.config import OnNonFinite
+    from ddptrain.observe.nonfinite import NonFiniteGuard, StepVerdict
+
+    model = TwoLayers()
+    optimizer = build_optimizer(OptimConfig(lr=0.1), model)
+    scheduler = build_scheduler(OptimConfig(lr=0.1), optimizer, total_steps=10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scaler.scale(torch.ones(()))  # the scale exists from the first loss scaled on
+    params = [p for p in model.parameters() if p.requires_grad]
+    guard = NonFiniteGuard(OnNonFinite.stop, 2, scaler.is_enabled(), [], torch.device("cpu"))
+    assert not guard.drops, "under fp16 the scaler drops the step, not the guard"
+    in_a_row = []
+    for gradient in (math.inf, 1.0, math.nan, math.nan):  # an overflow, a good step, two overflows in a row
+        for p in params:
+            p.grad = torch.full_like(p, gradient * scaler.get_scale())
+        before = model.adapter.weight.detach().clone()
+        _, nonfinite, dropped = optim.step_optimizer(optimizer, scaler, scheduler, params, OptimConfig(), guard.drops)
+        assert bool(dropped) == bool(nonfinite) == (not math.isfinite(gradient))
+        assert torch.equal(model.adapter.weight, before) == bool(dropped), "a dropped step changes nothing"
+        in_a_row.append(int(guard.verdict_of(torch.zeros((), dtype=torch.float64), nonfinite, dropped)[2]))
+    assert in_a_row == [1, 0, 1, 2]
+    verdicts = [StepVerdict(step, 0.0, bool(n), n) for step, n in enumerate(in_a_row, 1)]
+    assert [guard.stops(v) for v in verdicts] == [False, False, False, True]
+    assert [lever["set"] for lever in guard.levers] == ["trainer.precision=bf16"]

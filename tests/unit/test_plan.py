@@ -222,15 +222,19 @@ def test_a_starting_run_logs_its_plan_and_starts_where_it_does_not_fit_when_told
         assert main([*common, *overrides, "plan.device_memory_gb=0.065", "--no-levers"]) == 0, fix
 
 
-LARGEST_LENGTH = 1024  # data.max_length: every row of the largest micro-batch at it
-DEVICE_GB = 0.125  # plan.device_memory_gb: room for a micro-batch of 3 such rows (planned 113 MiB), not 4 (144 MiB)
+LARGEST_LENGTH = 2048  # data.max_length: every row of the largest micro-batch at it
 TOLERANCE = 0.15  # the plan's, as the 2-rank peak test holds it to (tests/distributed/test_evaluation.py)
+# plan.device_memory_gb: 208 MiB, room for 2 such rows (planned 176 MiB), not 3 (253 MiB). For the fit and the
+# overflow to be told apart by measurement on any machine the plan holds to TOLERANCE, the device sits at least
+# TOLERANCE above the named size's plan and below the next one's: 208 / 176 = 1.18, 208 / 253 = 0.82. (With 3 rows
+# named, the next size is only 4/3 of it, less than (1 + TOLERANCE) / (1 - TOLERANCE) = 1.35: no such device.)
+DEVICE_GB = 208 / 1024
 
 
 def test_the_largest_micro_batch_the_plan_names_measures_within_15_percent_and_one_row_more_does_not_fit(
     tmp_path, datasets_cache
 ) -> None:
-    """For a declared device of 0.125 GiB the plan names the largest data.micro_batch_size at data.max_length=1024.
+    """For a declared device of 208 MiB the plan names the largest data.micro_batch_size at data.max_length=2048.
     A real step (the run's model and optimizer, in a process of its own) on that many rows at data.max_length (one
     row a few tokens short: padded, as the plan takes the widest micro-batch to be) adds, measured by the peak
     resident set (``workers_evaluation.measure_the_steps_of_saved_batches``), within 15% of what the plan predicts
