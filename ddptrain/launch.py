@@ -387,27 +387,11 @@ def launch(cfg: RunConfig, run_dir: Path, entrypoint: Callable[..., Any] | None 
                 except ChildFailedError as exc:
                     if killed_by(exc, stop.signal):  # during start-up, before the workers handle signals
                         return {signals.STOPPED_BY: stop.signal.name, signals.STOPPED_AT_STEP: None}
-                    raise RuntimeError(_failure_summary(exc, run_dir / hangs.HANG_DIR, nproc)) from None
+                    raise RuntimeError(hangs.failure_summary(exc.failures, run_dir / hangs.HANG_DIR, nproc)) from None
         finally:
             shutil.rmtree(rdzv_dir, ignore_errors=True)
             del store  # the port is free now, also when a failure's traceback keeps this frame alive
     return results[0]
-
-
-def _failure_summary(exc: Any, hang_dir: Path, nproc: int) -> str:
-    """One line per failed rank; after a collective timeout, or when a rank was killed by a signal (on NCCL the
-    process group's watchdog may end a timed-out rank with SIGABRT), also where every rank was."""
-    lines = ["training failed:"]
-    for rank, failure in sorted(exc.failures.items()):
-        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        last_line = (str(message).strip().splitlines() or [""])[-1]
-        lines.append(f"  rank {rank} (exit code {failure.exitcode}): {last_line}")
-    timed_out = any(f.get("timed_out") for f in hangs.read_failures(hang_dir).values())
-    if timed_out or any(f.exitcode < 0 for f in exc.failures.values()):
-        lines.append(f"  where each rank was ({hang_dir}):")
-        lines += [f"    {line}" for line in hangs.where_ranks_were(hang_dir, nproc)]
-    lines.append("  The traceback of each failed rank is printed above.")
-    return "\n".join(lines)
 
 
 def worker(cfg: RunConfig, run_dir: str, store_port: int | None, start: Start | None = None) -> dict[str, Any] | None:

@@ -307,6 +307,26 @@ def read_failures(hang_dir: Path) -> dict[int, dict[str, Any]]:
     return {r["rank"]: r for r in records if r}
 
 
+def failure_summary(failures: dict[int, Any], hang_dir: Path, nproc: int) -> str:
+    """The self-launcher's account of a failed run: one line per failed rank elastic reports (``failures``, its
+    ``ChildFailedError.failures``); one per rank whose own failure record (``<run>/hang``) elastic did not report (the
+    launcher stops the other ranks once one has exited, and the first to exit may be a rank ended because another
+    failed: the error that started it is in the record); after a collective timeout, or when a rank was killed by a
+    signal (on NCCL the process group's watchdog may end a timed-out rank with SIGABRT), where every rank was."""
+    lines = ["training failed:"]
+    for rank, failure in sorted(failures.items()):
+        message = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+        last_line = (str(message).strip().splitlines() or [""])[-1]
+        lines.append(f"  rank {rank} (exit code {failure.exitcode}): {last_line}")
+    recorded = read_failures(hang_dir)
+    lines += [f"  rank {rank}: {record['error']}" for rank, record in sorted(recorded.items()) if rank not in failures]
+    if any(f.get("timed_out") for f in recorded.values()) or any(f.exitcode < 0 for f in failures.values()):
+        lines.append(f"  where each rank was ({hang_dir}):")
+        lines += [f"    {line}" for line in where_ranks_were(hang_dir, nproc)]
+    lines.append("  The traceback of each failed rank is printed above.")
+    return "\n".join(lines)
+
+
 def where_ranks_were(hang_dir: Path, world_size: int) -> list[str]:
     """One line per rank: its last phase and for how long, as of the first failure; then the stack dumps.
 

@@ -329,12 +329,7 @@ class Failure:
 
 
 def summary(tmp_path: Path, **failures: Failure) -> str:
-    from types import SimpleNamespace
-
-    from ddptrain import launch
-
-    exc = SimpleNamespace(failures={int(rank[-1]): f for rank, f in failures.items()})
-    return launch._failure_summary(exc, tmp_path, nproc=2)
+    return hangs.failure_summary({int(rank[-1]): f for rank, f in failures.items()}, tmp_path, nproc=2)
 
 
 def test_the_launchers_summary_adds_every_ranks_phase_after_a_timeout_or_a_kill(tmp_path) -> None:
@@ -350,6 +345,18 @@ def test_the_launchers_summary_adds_every_ranks_phase_after_a_timeout_or_a_kill(
     failure(tmp_path, rank=0, timed_out=True)
     timed_out = summary(tmp_path, rank0=Failure(1, "CollectiveTimeout: collective timed out ..."))
     assert "    rank 0: forward at step 3 micro-step 0 for 11 s (its collective timed out)" in timed_out
+
+
+def test_the_launchers_summary_names_the_error_of_a_rank_elastic_did_not_report(tmp_path) -> None:
+    """Rank 1 failed (its record names trainer.save_timeout_s) and rank 0, ended because of it, exited first: elastic
+    reports rank 0 alone, with no message of its own. The summary still carries rank 1's error."""
+    failure(tmp_path, rank=1, timed_out=False)
+    record = json.loads((tmp_path / "rank1.failed").read_text())
+    error = "rank 0 did not save the checkpoint of step 1 within trainer.save_timeout_s=2 s"
+    (tmp_path / "rank1.failed").write_text(json.dumps({**record, "error": error}))
+    told = summary(tmp_path, rank0=Failure(1, "To enable traceback see: https://pytorch.org/docs/stable/elastic/"))
+    assert f"  rank 1: {error}" in told
+    assert told.count("rank 1") == 1 == summary(tmp_path, rank1=Failure(1, error)).count(error), "listed once"
 
 
 # ----------------------------------------------------------------------------- a GPU's host waiting for its device
