@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from ddptrain.config import DType, ModelConfig
+from ddptrain.config import DType, ModelConfig, PlanConfig
 from ddptrain.config.hydra import ASSETS_DIR
 from ddptrain.model import architecture_config
-from ddptrain.plan.budget import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, GIB, NCCL_GIB
+from ddptrain.plan.budget import GIB
 from ddptrain.plan.simulate import BatchShape, FakeModel
 
 MODELS = {"Qwen2.5-7B": "model_configs/qwen2.5-7b", "Qwen2.5-0.5B": "model_configs/qwen2.5-0.5b"}
@@ -38,12 +38,13 @@ def predicted(fake: FakeModel, shape: BatchShape, world_size: int) -> dict[str, 
     _, trainable = fake.trainable_parameters()
     step = fake.step(shape)
     allocated = weights + 3 * trainable + step.peak  # gradients in the buckets, AdamW's two states
-    fixed = (CUDA_CONTEXT_GIB + (NCCL_GIB if world_size > 1 else 0.0)) * GIB
+    costs = PlanConfig()  # the fixed costs' defaults (plan.cuda_context_gb, plan.nccl_gb, plan.allocator_slack)
+    fixed = (costs.cuda_context_gb + (costs.nccl_gb if world_size > 1 else 0.0)) * GIB
     return {
         "weights": weights / GIB,
         "activations": step.saved / GIB,
         "transient": (step.peak - step.saved) / GIB,
-        "peak": (allocated * (1 + ALLOCATOR_SLACK) + fixed) / GIB,
+        "peak": (allocated * (1 + costs.allocator_slack) + fixed) / GIB,
     }
 
 

@@ -8,15 +8,19 @@ is logged, and the trainer hands the per-rank predictions to the report, beside 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import logging
 from dataclasses import dataclass
+
+import torch
 
 from ddptrain import parallel
 from ddptrain.config import RunConfig
 from ddptrain.data.tokenized import TokenizedData
 from ddptrain.observe.console import RANK_ZERO_ONLY
-from ddptrain.plan.budget import GIB, MemoryPlan, planned_device
+from ddptrain.plan.budget import GIB, RESIDENT_AT_START, MemoryPlan, planned_device
 from ddptrain.plan.planner import make_plan
 from ddptrain.plan.render import render_plan
 from ddptrain.process import hangs
@@ -33,17 +37,18 @@ class Prediction:
     """What the report carries: each rank's predicted peak of training and of evaluation, GiB."""
 
     train_gb: list[float]  # empty: the run did not plan (plan.at_start)
-    allocated_gb: list[float] = dataclasses.field(default_factory=list)  # without fixed costs and allocator slack
+    measured_gb: list[float] = dataclasses.field(default_factory=list)  # as the report measures it (as_measured)
     eval_gb: float | None = None
     device_gb: float | None = None
 
     def as_record(self, step: int) -> dict[str, object]:
-        """The metrics record the report reads (``diagnose.runs``): per rank, the training step's peak as the
-        allocator counts it (``max_memory_allocated``: no CUDA context, NCCL buffers or slack), the figure the report
-        measures; empty (nothing is logged) when the run did not plan."""
+        """The metrics record the report reads (``diagnose.runs``): per rank, the training step's peak as the report
+        measures it beside (``MemoryPlan.as_measured``: on a GPU as the allocator counts it, no CUDA context, NCCL
+        buffers or slack; on a CPU the resident peak, the resident set at start included); empty (nothing is logged)
+        when the run did not plan."""
         if not self.train_gb:
             return {}
-        return {"step": step, "mem_predicted_gb_by_rank": self.allocated_gb, "mem_plan_device_gb": self.device_gb}
+        return {"step": step, "mem_predicted_gb_by_rank": self.measured_gb, "mem_plan_device_gb": self.device_gb}
 
 
 def wanted(cfg: RunConfig) -> bool:
@@ -63,30 +68,63 @@ def plan_at_start(cfg: RunConfig, data: TokenizedData, rank: int, world_size: in
     """
     if not wanted(cfg):
         return Prediction([])
+    if planned_device(cfg) == "cpu" and cfg.plan.cpu_returns_freed_memory is not False:
+        return_freed_memory()
     try:
         return _plan_and_decide(cfg, data, rank, world_size)
     finally:
         hangs.board.enter("build_model")  # what the trainer does next: weights load (a hang report names it)
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD_BYTES = 65536
+
+
+def return_freed_memory() -> bool:
+    """From now on every block of 64 KiB or more this process allocates is mmapped, and unmapped when freed (glibc's
+    ``mallopt``, as ``MALLOC_MMAP_THRESHOLD_=65536`` sets it at start): the resident set then follows what is alive,
+    the quantity the plan predicts (plan.cpu_returns_freed_memory). glibc's default keeps freed blocks for reuse and
+    raises its threshold as large blocks are freed. Returns whether it took effect (not on another C library: the
+    report's resident peak then holds what that library keeps, and the log says so)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        done = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    except (OSError, AttributeError):  # no C library found, or one without mallopt (macOS)
+        done = False
+    if not done:
+        log.warning(
+            "plan.cpu_returns_freed_memory: this C library has no glibc mallopt; the report's resident peak will also "
+            "hold the memory it keeps for reuse, beyond the plan",
+            extra=RANK_ZERO_ONLY,
+        )
+    return done
+
+
 def _plan_and_decide(cfg: RunConfig, data: TokenizedData, rank: int, world_size: int) -> Prediction:
     hangs.board.enter("memory_plan")  # one gather of every rank's prediction
-    mine = make_plan(cfg, data, world_size, with_levers=False, only_ranks={rank})
-    # Each rank's peak, its peak as the allocator counts it (the report's measured figure), and its device: the
-    # smallest device decides for all, so that every rank reaches the same verdict.
-    gathered = parallel.all_gather_object((mine.peak(mine.ranks[0]), mine.allocated(mine.ranks[0]), mine.device_bytes))
+    # A GPU rank's limit is its own GPU's free memory: asking another GPU would put a CUDA context on it.
+    gpus = [torch.cuda.current_device()] if planned_device(cfg) == "cuda" and torch.cuda.is_available() else None
+    mine = make_plan(cfg, data, world_size, with_levers=False, only_ranks={rank}, gpus=gpus)
+    # Each rank's peak, its peak as the report measures it, and its limit: the smallest limit decides for all, so
+    # that every rank reaches the same verdict.
+    step = mine.ranks[0]
+    gathered = parallel.all_gather_object((mine.peak(step), mine.as_measured(step), mine.device_bytes))
     peaks = [peak for peak, _, _ in gathered]
     devices = [device for _, _, device in gathered if device is not None]
     mine.device_bytes = min(devices) if devices else None
     prediction = Prediction(
         train_gb=[p / GIB for p in peaks],
-        allocated_gb=[allocated / GIB for _, allocated, _ in gathered],
+        measured_gb=[measured / GIB for _, measured, _ in gathered],
         eval_gb=mine.peak(mine.eval) / GIB if mine.eval else None,
         device_gb=None if mine.device_bytes is None else mine.device_bytes / GIB,
     )
     worst = max([*peaks, mine.peak(mine.eval) if mine.eval else 0, mine.check_peak])
     if mine.device_bytes is None or worst <= mine.device_bytes:
-        log.info("memory plan: %s", _summary(prediction), extra=RANK_ZERO_ONLY)
+        resident = mine.fixed.get(RESIDENT_AT_START)
+        # On a CPU the report sets the plan beside each process's resident peak: say what the plan holds of it.
+        at_start = f"its rank's resident set at start (rank 0: {resident / GIB:.2f} GiB)" if resident else ""
+        baseline = f"; resident peaks, each with {at_start}" if resident else ""
+        log.info("memory plan: %s%s", _summary(prediction), baseline, extra=RANK_ZERO_ONLY)
         return prediction
     # The fullest rank plans itself whole (stopping: with the levers) and sends every rank the same words.
     fullest = max(range(world_size), key=peaks.__getitem__)
@@ -121,14 +159,15 @@ def _one_line(plan: MemoryPlan) -> str:
         for lever in sorted(plan.levers, key=lambda lever: lever.peak)
         if max(lever.peak, evaluation) <= plan.device_bytes
     ]
-    if plan.largest and not plan.largest.startswith("nothing") and evaluation <= plan.device_bytes:
-        fixes.append(f"{plan.largest} (the largest that fits)")
+    largest = plan.largest_on_data
+    if largest and not largest.startswith("nothing") and evaluation <= plan.device_bytes:
+        fixes.append(f"{largest} (the largest that fits this data)")
     if fixes:
         advice = "predicted to fit with " + "; or ".join(fixes[:3])
     else:
         advice = "no single setting makes it fit: combine the levers of the plan logged above, or use larger devices"
     return (
         f"the run does not fit: predicted peak {plan.worst / GIB:.2f} GiB, {over:.2f} GiB over the device's "
-        f"{plan.device_bytes / GIB:.2f} GiB (plan.device_memory_gb, or the GPU's own); {advice}. Nothing was loaded. "
-        "To start anyway: plan.stop_if_no_fit=false."
+        f"{plan.device_bytes / GIB:.2f} GiB ({plan.limit_source or 'plan.device_memory_gb'}); {advice}. Nothing was "
+        "loaded. To start anyway: plan.stop_if_no_fit=false."
     )

@@ -4,17 +4,20 @@ The training set's plans come from ``data.plan.plan_epoch``, the function every 
 the run trains (up to ``plan.max_epochs``); the eval set is cut as ``TrainingData.eval_batches`` cuts it. What a
 micro-batch costs in memory grows with its padded tokens (every layer's activations) and with its width (a padding
 or packing mask is rows x width x width), so both the micro-batch with the most padded tokens and the widest one
-are candidates; the simulation decides between them.
+are candidates; the simulation decides between them. For the largest sizes that fit, ``worst_case_shape`` and
+``CostliestRows`` give the costliest micro-batch of a size: any data's, and this data's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from ddptrain.config import Batching
+from ddptrain.config import Batching, DataConfig
 from ddptrain.data.encode import IGNORE_INDEX
 from ddptrain.data.plan import BatchingSpec, MicroBatch, eval_batch_plan, plan_epoch
 from ddptrain.data.tokenized import TokenizedData
@@ -75,6 +78,65 @@ def eval_candidate(data: TokenizedData, micro_batch_size: int, world_size: int, 
                 best = (cost, rank, batch)
     _, rank, batch = best
     return _candidate(rank, "eval", batch, data.eval, lengths, padded_spec)
+
+
+def worst_case_shape(d: DataConfig) -> Callable[[int], BatchShape]:
+    """The costliest micro-batch any data could give at ``n`` (``data.micro_batch_size``, or
+    ``data.max_tokens_per_batch`` for token_budget and packed): every row at data.max_length, every position
+    trained (a packed row of ``n`` tokens)."""
+    packed = d.batching == Batching.packed
+
+    def shape(n: int) -> BatchShape:
+        rows, width = (1, n) if packed else (n, d.max_length)
+        if d.batching == Batching.token_budget:
+            rows = max(n // d.max_length, 1)
+        return BatchShape(rows, width, rows * width, padded=not packed, packed=packed)
+
+    return shape
+
+
+class CostliestRows:
+    """The costliest micro-batch this data can give at ``n``, whatever rows the sampler draws: rows as wide as its
+    longest (padded, with the mask padding brings, where any row is shorter), training as many positions as its
+    most-trained rows. ``n`` rows (random, length_grouped); as many such rows as ``n`` padded tokens hold
+    (token_budget); packed, one row of up to ``n`` tokens filled with its most-trained rows, each one that still fits
+    added (the packer fills a row the same way). ``most``: the training rows there are, the most rows one
+    micro-batch can have."""
+
+    def __init__(self, data: TokenizedData, spec: BatchingSpec):
+        lengths = np.asarray(data.train["length"], dtype=np.int64)
+        trained = trained_per_row(data.train)
+        order = np.argsort(-trained, kind="stable")  # the most-trained rows first
+        self.trained, self.lengths = trained[order], lengths[order]
+        self.most_trained = np.cumsum(self.trained)
+        self.longest, self.shortest = int(lengths.max()), int(lengths.min())
+        self.spec, self.most = spec, len(lengths)
+
+    def __call__(self, n: int) -> BatchShape:
+        if self.spec.mode is Batching.packed:
+            room, width, targets, samples = n, 0, 0, 0
+            for length, trained in zip(self.lengths.tolist(), self.trained.tolist()):
+                if length <= room:
+                    room, width, targets, samples = room - length, width + length, targets + trained, samples + 1
+                if room < self.shortest:
+                    break
+            return BatchShape(1, width, targets, padded=False, packed=samples > 1)
+        width = self.spec.cost([self.longest])
+        rows = min(n, self.most) if self.spec.mode is not Batching.token_budget else max(min(n // width, self.most), 1)
+        return BatchShape(rows, width, int(self.most_trained[rows - 1]), padded=self.shortest < width)
+
+
+def trained_per_row(rows) -> np.ndarray:
+    """Each row's trained positions (``_targets``: its labels after the first that are not ``IGNORE_INDEX``),
+    counted in arrow, not in Python lists: 0.6 s for Alpaca's 51,481 rows where the lists take several."""
+    labels = rows.with_format("arrow")["labels"]
+    if isinstance(labels, pa.ChunkedArray):
+        labels = labels.combine_chunks()
+    trained = pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX)
+    parents = np.asarray(pc.list_parent_indices(labels))
+    per_row = np.bincount(parents[np.asarray(trained)], minlength=len(labels))
+    first_trained = np.asarray(pc.not_equal(pc.list_element(labels, 0), IGNORE_INDEX), dtype=np.int64)
+    return per_row - first_trained
 
 
 def _width(batch: MicroBatch, lengths: np.ndarray, spec: BatchingSpec) -> int:

@@ -7,30 +7,33 @@ its forward and backward (the LM head's logits chunk, a checkpointed layer recom
 simulated (``simulate.py``) on the micro-batches the run's own plan gives that rank (``batches.py``). Evaluation
 runs with the same weights, buckets and states, and a forward pass of the costliest eval micro-batch.
 
-The fixed costs of a CUDA process are estimates until a GPU calibrates them (none has been lent to the project's
-CPU-only sessions yet): see ``CUDA_CONTEXT_GIB``, ``NCCL_GIB`` and ``ALLOCATOR_SLACK``.
+What a process holds besides those tensors is a fixed cost, each named with the ``plan.*`` key that sets it
+(``fixed_costs``): on a GPU the CUDA context, NCCL's buffers and the caching allocator's slack, estimates until a GPU
+calibrates them (none has been lent to the project's CPU-only sessions yet); on a CPU the process's resident set
+before the weights load (the interpreter, the libraries, the tokenized data), measured where the plan runs, so that
+the plan predicts the resident peak the report measures. The limit is what a process may hold (``device_limit``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ddptrain.config import Batching, DType, RunConfig, SaveCheckMode
+from ddptrain.config import DType, PlanConfig, RunConfig, SaveCheckMode
 from ddptrain.plan.batches import Candidate
 from ddptrain.plan.simulate import BatchShape, FakeModel
 
 GIB = 2**30
-CUDA_CONTEXT_GIB = 0.5
-"""The CUDA context and the kernels torch loads (lazily) in each GPU process: outside the caching allocator."""
-NCCL_GIB = 0.25
-"""NCCL's buffers for one communicator in each GPU process of a multi-process run."""
-ALLOCATOR_SLACK = 0.05
-"""What the caching allocator reserves beyond the peak allocated (fragmentation), as a share of that peak."""
+CUDA_CONTEXT = "CUDA context (plan.cuda_context_gb)"
+NCCL_BUFFERS = "NCCL buffers (plan.nccl_gb)"
+RESIDENT_AT_START = "resident at start (plan.resident_baseline_gb)"
+"""The fixed costs' names: the rows of the printed plan, each naming the key that overrides it."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,15 @@ class MemoryPlan:
     trainable: int  # parameters
     gradients: int
     optimizer: int
-    fixed: dict[str, int]
+    fixed: dict[str, int]  # by name (fixed_costs)
     ranks: list[StepPeak]
+    slack_share: float = 0.0  # the caching allocator's, on a GPU (plan.allocator_slack)
+    limit_source: str = ""  # where device_bytes comes from, in words
     eval: StepPeak | None = None
     save_check: int = 0  # bytes on rank 0's device while a save is checked (save_check_bytes)
     levers: list[Lever] = dataclasses.field(default_factory=list)
-    largest: str | None = None  # the largest batch setting that fits
+    largest: str | None = None  # the largest batch setting that fits the worst case: every row at data.max_length
+    largest_on_data: str | None = None  # the largest whose costliest micro-batch of this data fits
 
     @property
     def held(self) -> int:
@@ -74,7 +80,7 @@ class MemoryPlan:
         return sum(self.weights.values()) + self.gradients + self.optimizer + sum(self.fixed.values())
 
     def slack(self, allocated: int) -> int:
-        return int(ALLOCATOR_SLACK * allocated) if self.device == "cuda" else 0
+        return int(self.slack_share * allocated)
 
     def peak(self, step: StepPeak) -> int:
         """A rank's peak with ``step`` (a training micro-step, or an eval forward pass)."""
@@ -84,6 +90,11 @@ class MemoryPlan:
     def allocated(self, step: StepPeak) -> int:
         """A rank's peak as the caching allocator counts it (``max_memory_allocated``): no fixed costs, no slack."""
         return self.held - sum(self.fixed.values()) + step.activations + step.transient
+
+    def as_measured(self, step: StepPeak) -> int:
+        """A rank's peak as the run's report measures it: on a GPU the peak allocated (``max_memory_allocated``), on
+        a CPU the process's peak resident set, the whole peak (the resident set at start included)."""
+        return self.allocated(step) if self.device == "cuda" else self.peak(step)
 
     @property
     def fullest(self) -> StepPeak:
@@ -116,25 +127,44 @@ def held_memory(model: FakeModel, cfg: RunConfig, world_size: int) -> tuple[dict
     return model.parameter_bytes(), trainable, copies * grad_bytes, optimizer
 
 
-def fixed_costs(device: str, world_size: int) -> dict[str, int]:
-    """What a CUDA process holds outside the caching allocator (none on CPU), by name."""
+def fixed_costs(cfg: PlanConfig, device: str, world_size: int) -> dict[str, int]:
+    """What a process holds besides the tensors the plan simulates, by name: on a GPU outside the caching allocator
+    (the CUDA context; NCCL's buffers with more than one rank), on a CPU its resident set before the weights load
+    (``resident_at_start``; none where it is 0)."""
     if device != "cuda":
-        return {}
-    costs = {"CUDA context": int(CUDA_CONTEXT_GIB * GIB)}
+        resident = resident_at_start(cfg)
+        return {RESIDENT_AT_START: resident} if resident else {}
+    costs = {CUDA_CONTEXT: int(cfg.cuda_context_gb * GIB)}
     if world_size > 1:
-        costs["NCCL buffers"] = int(NCCL_GIB * GIB)
+        costs[NCCL_BUFFERS] = int(cfg.nccl_gb * GIB)
     return costs
 
 
-PROBE_ROWS, PROBE_TOKENS = 2, 32  # evaluation.save_check.Probe: two training rows, cut to 32 tokens
+def resident_at_start(cfg: PlanConfig) -> int:
+    """plan.resident_baseline_gb, else this process's resident set now (``/proc/self/statm``): called before any
+    weight loads (a starting rank, after tokenizing; ``python -m ddptrain.plan``), it is what the process holds
+    besides the tensors the plan counts: the interpreter, the libraries, the tokenized data. 0 where there is no
+    /proc (the plan then counts the tensors alone)."""
+    if cfg.resident_baseline_gb is not None:
+        return int(cfg.resident_baseline_gb * GIB)
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+PROBE_ROWS, PROBE_TOKENS = 2, 32  # evaluation.peft_check.Probe: two training rows, cut to 32 tokens
 
 
 def save_check_bytes(model: FakeModel, cfg: RunConfig, vocab_size: int, device: str) -> int:
-    """What rank 0 adds on its device while it checks a save, beyond what it holds: for LoRA
-    (``evaluation.save_check``) the base loaded again (the weights without the adapters) and the probe's fp32
+    """What rank 0 adds on its device while a save's round trip runs (``evaluation.save_check``: at the final save in
+    every mode but off, at every save with trainer.save_check=full), beyond what it holds: for LoRA
+    (``evaluation.peft_check``) the base loaded again (the weights without the adapters) and the probe's fp32
     logits, three of them (the training model's, the loaded adapter's, the merged model's); for a full fine-tune
-    (``evaluation.full_check``) the whole model loaded again, compared tensor by tensor (no logits). 0 when there is
-    no check (trainer.save_check=off) and on CUDA, where the check loads its copy on the host."""
+    (``evaluation.full_check``) the whole model loaded again, compared tensor by tensor (no logits). The read-back
+    of every other save holds one saved tensor at a time. 0 when there is no check (trainer.save_check=off) and on
+    CUDA, where the check loads its copy on the host."""
     if cfg.trainer.save_check == SaveCheckMode.off or device == "cuda":
         return 0
     weights = sum(model.parameter_bytes().values())
@@ -155,65 +185,70 @@ def eval_peak(model: FakeModel, candidate: Candidate) -> StepPeak:
     return StepPeak(candidate, 0, model.forward_peak(candidate.shape))
 
 
-def largest_fitting(plan: MemoryPlan, model: FakeModel, cfg: RunConfig, targets_per_token: float) -> str | None:
-    """The largest batch setting whose worst micro-batch fits the device: ``data.micro_batch_size`` with every row
-    at ``data.max_length`` (random, length_grouped), else ``data.max_tokens_per_batch`` (token_budget, packed)."""
-    if plan.device_bytes is None:
-        return None
-    d = cfg.data
-    packed = d.batching == Batching.packed
-    by_rows = d.batching in (Batching.random, Batching.length_grouped)
-    step_of = 1 if by_rows else d.max_length
+def largest_fitting(
+    plan: MemoryPlan, model: FakeModel, shape_of: Callable[[int], BatchShape], unit: int, most: int | None = None
+) -> int | None:
+    """The largest multiple of ``unit``, up to ``most``, whose micro-batch ``shape_of(n)`` fits the limit beside
+    what the rank holds all run long (``batches.worst_case_shape``, ``batches.CostliestRows``); None where not
+    even ``unit`` fits."""
 
-    def shape(n: int) -> BatchShape:
-        rows, width = (n, d.max_length) if by_rows or not packed else (1, n)
-        if d.batching == Batching.token_budget:
-            rows, width = max(n // d.max_length, 1), d.max_length
-        return BatchShape(rows, width, int(rows * width * targets_per_token), padded=not packed, packed=packed)
-
+    @functools.cache
     def need(n: int) -> int:
-        allocated = plan.held + model.step(shape(n)).peak
+        allocated = plan.held + model.step(shape_of(n)).peak
         return allocated + plan.slack(allocated - sum(plan.fixed.values()))
 
-    best = _largest(need, plan.device_bytes, step_of)
-    if best is None:
-        return "nothing fits: not even one row of data.max_length" if by_rows else "nothing fits"
-    key = "data.micro_batch_size" if by_rows else "data.max_tokens_per_batch"
-    return f"{key}={best}" + (f" at data.max_length={d.max_length}" if by_rows else "")
+    return _largest(need, plan.device_bytes, unit, most)
 
 
-def _largest(need: Callable[[int], int], budget: int, unit: int) -> int | None:
-    """The largest multiple of ``unit`` whose ``need`` is within ``budget``.
+def _largest(need: Callable[[int], int], budget: int, unit: int, most: int | None = None) -> int | None:
+    """The largest multiple of ``unit`` (up to ``most``) whose ``need`` is within ``budget``.
 
     What a micro-batch needs is a quadratic in its rows or tokens (activations grow with tokens, a mask with the
     square of a packed row's width), so three probes (1, 2 and 4 units) fix the curve; the multiple it predicts is
     then checked and stepped down until it fits (a handful of probes in all, not a bisection's dozen).
     """
+    if need(unit) > budget:
+        return None
+    if most is not None and most <= 4 * unit:  # too few to fit a curve to: bisect, the top first
+        return most if need(most) <= budget else _bisect(need, budget, unit, unit, most)
     xs = [unit, 2 * unit, 4 * unit]
     ys = [need(x) for x in xs]
-    if ys[0] > budget:
-        return None
     fits = [x for x, y in zip(xs, ys) if y <= budget]
     if len(fits) < len(xs):  # 2 or 4 units already too much
         return _bisect(need, budget, unit, max(fits), min(x for x in xs if x not in fits))
     a, b, c = np.polyfit(xs, ys, 2)
     roots = [r.real for r in np.roots([a, b, c - budget]) if abs(r.imag) < 1e-9 and r.real >= unit]
     guess = max(xs[-1], int(min(roots, default=xs[-1] * 64)) // unit * unit)
+    if most is not None:
+        guess = min(guess, most)
     # The guess and the next multiple decide it; where the curve misjudged, bisect between what fits and what not.
     if need(guess) <= budget:
-        return guess if need(guess + unit) > budget else _bisect(need, budget, unit, guess + unit, None)
+        if guess == most or need(guess + unit) > budget:
+            return guess
+        return _bisect(need, budget, unit, guess + unit, None, most=most)
     return _bisect(need, budget, unit, xs[-1], guess)
 
 
-def _bisect(need: Callable[[int], int], budget: int, unit: int, low: int, high: int | None, probes: int = 12) -> int:
+def _bisect(
+    need: Callable[[int], int],
+    budget: int,
+    unit: int,
+    low: int,
+    high: int | None,
+    probes: int = 12,
+    most: int | None = None,
+) -> int:
     """The largest multiple of ``unit`` from ``low`` (which fits) below ``high`` (which does not; None: unknown, so
-    double until something does not fit), in at most ``probes`` simulations."""
+    double until something does not fit, or ``most`` does), in at most ``probes`` simulations."""
     while high is None and probes > 0:
         probes -= 1
-        if need(low * 2) <= budget:
-            low *= 2
+        up = low * 2 if most is None else min(low * 2, most)
+        if need(up) > budget:
+            high = up
+        elif up == most:
+            return most
         else:
-            high = low * 2
+            low = up
     while high is not None and high - low > unit and probes > 0:
         probes -= 1
         middle = (low + high) // (2 * unit) * unit
@@ -236,10 +271,16 @@ def planned_device(cfg: RunConfig) -> str:
     return device
 
 
-def device_bytes(cfg: RunConfig, device: str) -> int | None:
-    """plan.device_memory_gb, else the GPU's own memory (the smallest visible), else None."""
-    if cfg.plan.device_memory_gb is not None:
-        return int(cfg.plan.device_memory_gb * GIB)
+def device_limit(cfg: PlanConfig, device: str, gpus: list[int] | None = None) -> tuple[int | None, str]:
+    """What each rank may hold, and where that figure comes from: plan.device_memory_gb as given; else on a GPU what
+    ``torch.cuda.mem_get_info`` says is free to this process (what other processes and the driver hold left out),
+    the least over ``gpus`` (None: every visible GPU), plus the CUDA context the plan counts in the peak, which that
+    figure has already lost (asking creates the context): the plan's estimate of it then cancels out of the verdict;
+    else (a CPU without plan.device_memory_gb) None."""
+    if cfg.device_memory_gb is not None:
+        return int(cfg.device_memory_gb * GIB), "plan.device_memory_gb"
     if device == "cuda" and torch.cuda.is_available():
-        return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
-    return None
+        indices = range(torch.cuda.device_count()) if gpus is None else gpus
+        free = min(torch.cuda.mem_get_info(i)[0] for i in indices)
+        return free + int(cfg.cuda_context_gb * GIB), "free on the GPU (torch.cuda.mem_get_info), its CUDA context back"
+    return None, ""

@@ -14,12 +14,18 @@ from ddptrain.data.loader import build_batching_spec
 from ddptrain.data.plan import BatchingSpec, plan_epoch
 from ddptrain.data.tokenized import TokenizedData
 from ddptrain.model import architecture_config
-from ddptrain.plan.batches import Candidate, eval_candidate, training_candidates
+from ddptrain.plan.batches import (
+    Candidate,
+    CostliestRows,
+    eval_candidate,
+    training_candidates,
+    worst_case_shape,
+)
 from ddptrain.plan.budget import (
     Lever,
     MemoryPlan,
     StepPeak,
-    device_bytes,
+    device_limit,
     eval_peak,
     fixed_costs,
     held_memory,
@@ -40,39 +46,67 @@ def make_plan(
     world_size: int,
     with_levers: bool = True,
     only_ranks: set[int] | None = None,
+    gpus: list[int] | None = None,
 ) -> MemoryPlan:
     """Every rank's predicted peak for the run ``cfg`` on ``world_size`` ranks, with its data already tokenized
-    (``only_ranks``: simulate these ranks' micro-batches alone, as each rank of a starting run does for itself)."""
+    (``only_ranks``: simulate these ranks' micro-batches alone, as each rank of a starting run does for itself;
+    ``gpus``: the GPUs whose free memory is the limit, a starting rank's own; None: every visible one). Call it
+    before any weight loads: on a CPU the process's resident set now is the plan's baseline
+    (``budget.resident_at_start``)."""
     device = planned_device(cfg)
+    fixed = fixed_costs(cfg.plan, device, world_size)  # first: the resident set before the fake model is built
     config = architecture_config(cfg.model)
     precision = precision_of(cfg, device)
     model = FakeModel(config, cfg.model, precision, compiled=cfg.trainer.compile)
     spec = build_batching_spec(cfg.data, world_size, cfg.optim.grad_accum_steps, cfg.trainer.seed)
     weights, trainable, gradients, optimizer = held_memory(model, cfg, world_size)
+    limit, source = device_limit(cfg.plan, device, gpus)
     plan = MemoryPlan(
         device=device,
-        device_bytes=device_bytes(cfg, device),
+        device_bytes=limit,
+        limit_source=source,
         world_size=world_size,
         weights=weights,
         trainable=trainable,
         gradients=gradients,
         optimizer=optimizer,
-        fixed=fixed_costs(device, world_size),
+        fixed=fixed,
+        slack_share=cfg.plan.allocator_slack if device == "cuda" else 0.0,
         ranks=_rank_peaks(model, _of(training_candidates(data, spec, epochs_to_search(cfg, data, spec)), only_ranks)),
     )
     evaluated = eval_candidate(data, cfg.data.micro_batch_size, world_size, spec)
     plan.eval = eval_peak(model, evaluated) if evaluated else None
     plan.save_check = save_check_bytes(model, cfg, config.vocab_size, device)
     if with_levers:
-        # Every position trained, as every row is at data.max_length: the costliest micro-batch of the size named,
-        # whatever the data. The fullest micro-batch's own share of trained tokens named sizes whose costliest
-        # micro-batch, at that size, trains a larger share and does not fit.
-        plan.largest = largest_fitting(plan, model, cfg, targets_per_token=1.0)
+        plan.largest, plan.largest_on_data = largest_settings(plan, model, cfg, data, spec)
         plan.levers = levers(plan, cfg, data, spec, config, model)
         if plan.check_peak == plan.worst:  # the save check is what does not fit: it can go
             without = max(plan.peak(plan.fullest), plan.peak(plan.eval) if plan.eval else 0)
             plan.levers.append(Lever("trainer.save_check=off", without, "no second copy of the weights on rank 0"))
     return plan
+
+
+def largest_settings(
+    plan: MemoryPlan, model: FakeModel, cfg: RunConfig, data: TokenizedData, spec: BatchingSpec
+) -> tuple[str | None, str | None]:
+    """The largest batch setting that fits (``data.micro_batch_size`` for random and length_grouped, else
+    ``data.max_tokens_per_batch``), twice: for the worst case any data could give (every row at data.max_length,
+    every position trained), and for this data (``CostliestRows``: as wide as its longest row, as many positions
+    trained as its most-trained rows; at most every training row). (None, None) without a limit to fit."""
+    if plan.device_bytes is None:
+        return None, None
+    d = cfg.data
+    by_rows = d.batching in (Batching.random, Batching.length_grouped)
+    key, unit = ("data.micro_batch_size", 1) if by_rows else ("data.max_tokens_per_batch", d.max_length)
+    worst = largest_fitting(plan, model, worst_case_shape(d), unit)
+    costliest = CostliestRows(data, spec)
+    on_data = largest_fitting(plan, model, costliest, unit, most=costliest.most if by_rows else None)
+    if worst is None:
+        worst_words = "nothing fits: not even one row of data.max_length" if by_rows else "nothing fits"
+    else:
+        worst_words = f"{key}={worst}" + (f" at data.max_length={d.max_length}" if by_rows else "")
+    data_words = "nothing fits: not even one row of this data's longest" if on_data is None else f"{key}={on_data}"
+    return worst_words, data_words
 
 
 def epochs_to_search(cfg: RunConfig, data: TokenizedData, spec: BatchingSpec) -> int:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from ddptrain.plan.budget import ALLOCATOR_SLACK, GIB, MemoryPlan, StepPeak
+from ddptrain.plan.budget import GIB, RESIDENT_AT_START, MemoryPlan, StepPeak
+
+LABEL = 46  # the breakdown's first column: its longest row names the key that sets it
+WORST_CASE = "any data (every row at data.max_length, every token trained)"
+THIS_DATA = "this data (rows as wide as its longest, as many tokens trained as its most-trained rows)"
 
 
 def _gib(n: int) -> str:
@@ -18,11 +22,11 @@ def _shape(step: StepPeak) -> str:
 def render_plan(plan: MemoryPlan, title: str) -> str:
     """The per-rank breakdown (GiB), the eval peak, the verdict, the largest batch that fits and the levers."""
     lines = [title, ""]
-    header = f"{'GiB per rank':<34}" + "".join(f"{'rank ' + str(s.candidate.rank):>10}" for s in plan.ranks)
+    header = f"{'GiB per rank':<{LABEL}}" + "".join(f"{'rank ' + str(s.candidate.rank):>10}" for s in plan.ranks)
     lines.append(header)
 
     def row(label: str, values: list[int]) -> None:
-        lines.append(f"{label:<34}" + "".join(f"{_gib(v):>10}" for v in values))
+        lines.append(f"{label:<{LABEL}}" + "".join(f"{_gib(v):>10}" for v in values))
 
     n = len(plan.ranks)
     for dtype, size in sorted(plan.weights.items()):
@@ -35,11 +39,16 @@ def render_plan(plan: MemoryPlan, title: str) -> str:
         row(name, [size] * n)
     if plan.device == "cuda":
         row(
-            f"allocator slack ({ALLOCATOR_SLACK:.0%})",
+            f"allocator slack (plan.allocator_slack: {plan.slack_share:.0%})",
             [plan.peak(s) - plan.held - s.activations - s.transient for s in plan.ranks],
         )
     row("peak", [plan.peak(s) for s in plan.ranks])
     lines.append("")
+    if RESIDENT_AT_START in plan.fixed:
+        lines.append(
+            "resident at start: this process before any weight loads (interpreter, libraries, tokenized data), "
+            "measured; the report's resident peak holds it"
+        )
     for s in plan.ranks:
         lines.append(f"rank {s.candidate.rank}'s costliest micro-batch: {_shape(s)}")
     if plan.eval is not None:
@@ -50,11 +59,14 @@ def render_plan(plan: MemoryPlan, title: str) -> str:
             f"{_gib(plan.save_check)} GiB the saved weights loaded again (LoRA: the base, and the probe's logits)"
         )
     lines += ["", verdict(plan)]
+    if plan.largest_on_data:
+        lines.append(f"largest that fits {THIS_DATA}: {plan.largest_on_data}")
     if plan.largest:
-        worst = "every row at data.max_length, every token trained"
-        lines.append(f"largest that fits ({worst}): {plan.largest}")
+        lines.append(f"largest that fits {WORST_CASE}: {plan.largest}")
     if plan.levers:
-        lines.append(f"levers (the fullest rank's peak, now {_gib(plan.peak(plan.fullest))} GiB):")
+        lines.append(
+            f"levers (the fullest rank's peak, now {_gib(plan.peak(plan.fullest))} GiB; each planned on this data):"
+        )
         width = max(len(lever.overrides) for lever in plan.levers)
         for lever in sorted(plan.levers, key=lambda lever: lever.peak):
             saved = plan.peak(plan.fullest) - lever.peak
@@ -75,12 +87,15 @@ def verdict(plan: MemoryPlan) -> str:
             "(GiB per device) for a verdict"
         )
     share = worst / plan.device_bytes
+    limit = (
+        f"{_gib(plan.device_bytes)} GiB ({plan.limit_source})"
+        if plan.limit_source
+        else f"{_gib(plan.device_bytes)} GiB"
+    )
     if plan.fits:
         return (
-            f"fits: predicted peak {_gib(worst)} GiB ({when}) of {_gib(plan.device_bytes)} GiB, {share:.0%} used, "
+            f"fits: predicted peak {_gib(worst)} GiB ({when}) of {limit}, {share:.0%} used, "
             f"{_gib(plan.device_bytes - worst)} GiB to spare"
         )
-    return (
-        f"DOES NOT FIT: predicted peak {_gib(worst)} GiB ({when}) of {_gib(plan.device_bytes)} GiB, "
-        f"{_gib(worst - plan.device_bytes)} GiB over"
-    )
+    over = _gib(worst - plan.device_bytes)
+    return f"DOES NOT FIT: predicted peak {_gib(worst)} GiB ({when}) of {limit}, {over} GiB over"

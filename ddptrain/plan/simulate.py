@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ddptrain.config import Attention, DType, ModelConfig
 from ddptrain.model import CausalLMLoss, apply_gradient_checkpointing, apply_lora
+from ddptrain.plan.flash import PLANNED_FLASH
 from ddptrain.precision import TORCH_DTYPES
 
 
@@ -171,16 +172,12 @@ class _FakeDepth:
 
 def _fake_loss_module(config: PretrainedConfig, cfg: ModelConfig, mode: FakeTensorMode) -> CausalLMLoss:
     """``model.build_model`` on the meta device, then every parameter and buffer made a fake CPU tensor."""
-    attention = cfg.attn_implementation
+    attention = Attention(cfg.attn_implementation).value
     if attention == Attention.flash_attention_2:
-        # flash-attn cannot be imported without CUDA; its varlen kernel keeps what SDPA's fused kernels keep
-        # (the output and the log-sum-exp per head), without a mask.
-        attention = Attention.sdpa
+        attention = PLANNED_FLASH  # flash-attn needs CUDA: what its kernels allocate, no mask (plan/flash.py)
     config.use_cache = False
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=attention.value
-        )
+        model = AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=attention)
     if cfg.lora:
         model = apply_lora(model, cfg)
     if cfg.gradient_checkpointing:

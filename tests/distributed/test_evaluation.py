@@ -70,6 +70,10 @@ def five_layer_qwen2(folder: Path, vocab_size: int) -> Path:
 MICRO_BATCH = 4
 LONG, SHORT = (400, 520), (120, 200)  # words: rows of about 800-1,040 tokens (cut at 1,024), and 240-400
 TOLERANCE = 0.15  # what the plan claims for each rank's peak (issue 24): twice it is the least the ranks must differ
+# What the report may show between each rank's plan and its measured resident peak (issue 38). The plan leaves out
+# what Python objects made after the start hold (the model's modules, the optimizer, the autograd graph): 2-5%
+# of these peaks, measured.
+REPORTED_TOLERANCE = 0.10
 
 
 def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_within_15_percent(tmp_path) -> None:
@@ -80,8 +84,10 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
     short ones, and the two ranks' peaks differ by more than twice the tolerance (one prediction cannot pass for
     both). Each rank's plan, made at start from the real data through the real sampler, predicts within 15% the
     peak resident memory its step adds and the peak its evaluation adds (the costliest eval micro-batch, on the
-    rank it goes to), each measured with the peak reset right before, each rank handing freed memory back to the
-    system (``workers_evaluation.hand_freed_memory_back``) so that its resident set follows what is alive."""
+    rank it goes to), each measured with the peak reset right before; planning at start on a CPU, each rank hands
+    freed memory back to the system (plan.cpu_returns_freed_memory), so that its resident set follows what is
+    alive. The report the run writes sets each rank's plan beside its measured resident peak: on rank 0, whose step
+    is most of its peak, and on rank 1, they agree within 10%."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     halves = [LONG] * MICRO_BATCH + [SHORT] * MICRO_BATCH
@@ -107,7 +113,7 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
     )
     launch(cfg, run_dir, entrypoint=train_a_step_measuring_its_memory)
     measured = [json.loads((run_dir / f"memory-rank{rank}.json").read_text()) for rank in (0, 1)]
-    predicted = [m["predicted_allocated_gb"] * GIB - m["weights"] for m in measured]  # the weights were there before
+    predicted = [m["predicted_allocated"] - m["weights"] for m in measured]  # the weights were there before
     # Transients of 30% or more: a plan that left them out would miss each rank's peak by over twice the tolerance.
     for rank, m in enumerate(measured):
         share = m["planned_transient"] / (m["planned_activations"] + m["planned_transient"])
@@ -124,7 +130,9 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
     # The evaluation: the plan's eval peak (its costliest eval micro-batch, on whichever rank it goes to) less what was
     # alive before it: the weights, and the LoRA parameters' gradients and AdamW states, which the prediction counts
     # too. The other rank's eval batch (the short rows) costs less.
+    # (The eval peak also holds the resident set at start, which was there before too.)
     predicted_eval = measured[0]["predicted_eval_gb"] * GIB - measured[0]["weights"]
+    predicted_eval -= measured[0]["planned_resident_at_start"]
     assert all(m["eval_padded"] > 0 for m in measured), "each rank evaluates a micro-batch"
     costliest = max(m["eval_increase"] for m in measured)
     evaluations = [round(m["eval_increase"] / GIB, 3) for m in measured]
@@ -133,3 +141,14 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
         f"predicted {predicted_eval / GIB:.3f} GiB for evaluation, it added {costliest / GIB:.3f} GiB"
     )
     assert all(m["eval_increase"] <= (1 + TOLERANCE) * predicted_eval for m in measured)
+    # The report: each rank's plan beside the resident peak it measured, the same quantity on both sides.
+    by_rank = json.loads((run_dir / "report.json").read_text())["by_rank"]
+    step = measured[0]["planned_activations"] + measured[0]["planned_transient"]
+    assert step >= 0.5 * by_rank[0]["mem_predicted_gb"] * GIB, "rank 0's step must be most of its planned peak"
+    for rank, row in enumerate(by_rank):
+        error = abs(row["mem_predicted_gb"] - row["mem_peak_gb"]) / row["mem_peak_gb"]
+        print(f"rank {rank}: the report sets {row['mem_predicted_gb']:.3f} GiB planned beside {row['mem_peak_gb']:.3f}")
+        assert error <= REPORTED_TOLERANCE, (
+            f"rank {rank}: the report sets the plan's {row['mem_predicted_gb']:.3f} GiB beside a measured "
+            f"{row['mem_peak_gb']:.3f} GiB ({error:.0%} apart)"
+        )

@@ -78,14 +78,16 @@ def hand_freed_memory_back() -> None:
 
 
 def train_a_step_measuring_its_memory(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
-    """The real Trainer, planned at start (plan.at_start=true), trains one step and evaluates; around each, every rank
-    resets its peak resident set (``clear_refs`` 5) and reads what it added. Writes ``memory-rank{N}.json``: the
-    increases, the eval tokens this rank ran, the plan's predictions for this rank (training as the allocator counts
-    it, and evaluation), what the plan says of its step (the activations kept for backward and the transients on top)
-    and the weights' bytes, counted on the real model."""
+    """The real Trainer, planned at start (plan.at_start=true: on a CPU the product then hands freed memory back, so
+    that the resident set follows what is alive), trains one step and evaluates; around each, every rank resets its
+    peak resident set (``clear_refs`` 5) and reads what it added. Writes ``memory-rank{N}.json``: the increases, the
+    eval tokens this rank ran, the plan's predictions for this rank (training as the allocator counts it, and
+    evaluation), what the plan says of its step (the activations kept for backward, the transients on top, the
+    resident set at start) and the weights' bytes, counted on the real model. Then the trainer closes as a run does:
+    rank 0 writes report.json, which sets each rank's plan beside its measured resident peak."""
     from ddptrain.plan import at_start
+    from ddptrain.plan.budget import RESIDENT_AT_START
 
-    hand_freed_memory_back()
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
     plans = []  # the plan this rank made for itself at start, for its breakdown (what the prediction is made of)
     make_plan = at_start.make_plan
@@ -124,17 +126,20 @@ def train_a_step_measuring_its_memory(cfg: RunConfig, run_dir: str, store_port: 
         trainer.evaluate = measuring("eval", trainer.evaluate)
         trainer.fit()
         weights = sum(p.numel() * p.element_size() for p in trainer.loss_module.parameters())
+        mine = plans[0]
         record = {
             **measured,
-            "predicted_allocated_gb": trainer.memory_plan.allocated_gb[env.rank],
+            "predicted_allocated": mine.allocated(mine.ranks[0]),
             "predicted_eval_gb": trainer.memory_plan.eval_gb,
             "weights": weights,
-            "planned_activations": plans[0].ranks[0].activations,
-            "planned_transient": plans[0].ranks[0].transient,
+            "planned_activations": mine.ranks[0].activations,
+            "planned_transient": mine.ranks[0].transient,
+            "planned_resident_at_start": mine.fixed.get(RESIDENT_AT_START, 0),
         }
         (Path(run_dir) / f"memory-rank{env.rank}.json").write_text(json.dumps(record))
     finally:
         parallel.teardown()
+    trainer.close("finished")  # after the group is gone, as a run closes
 
 
 def measure_the_steps_of_saved_batches(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:

@@ -126,9 +126,15 @@ def test_a_tokenizer_the_model_cannot_embed_stops_the_run_with_the_fix(tmp_path)
 
 def test_a_run_the_memory_plan_says_will_not_fit_stops_before_loading_weights(tmp_path) -> None:
     """2 ranks, the default tiny job's first 400 rows on a device declared at 0.04 GiB: its costliest micro-batch is
-    planned at about 0.1 GiB. Stopped on every rank before any weight loads, with the plan and the fix
-    (plan.stop_if_no_fit=false, which starts it all the same, is tested in tests/unit/test_plan.py)."""
-    args = ["plan.device_memory_gb=0.04", "data.max_rows=400", "trainer.progress_bar=false"]
+    planned at about 0.1 GiB (the tensors alone: plan.resident_baseline_gb=0 leaves out the process's resident set at
+    start, about 0.4 GiB, which no setting changes). Stopped on every rank before any weight loads, with the plan and
+    the fix (plan.stop_if_no_fit=false, which starts it all the same, is tested in tests/unit/test_plan.py)."""
+    args = [
+        "plan.device_memory_gb=0.04",
+        "plan.resident_baseline_gb=0",
+        "data.max_rows=400",
+        "trainer.progress_bar=false",
+    ]
     output, marker, elapsed, rc = run_marked(args, tmp_path)
     # It runs beside the 2-rank tests (tests/conftest.py): twice the others' bound; alone it takes about 19 s.
     assert rc != 0 and elapsed < 2 * WALL_LIMIT_S, output[-3000:]

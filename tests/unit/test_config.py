@@ -12,7 +12,7 @@ from ddptrain.__main__ import CONF_DIR
 from ddptrain.config import Attention, Batching, CommHook, ConfigError, Device
 from tests.conftest import REPO, compose_config
 
-GROUPS = ["model", "data", "parallel", "optim", "trainer", "logger"]
+GROUPS = ["model", "data", "parallel", "optim", "trainer", "logger", "plan"]
 NEEDS_PATH = {"alpaca", "chat"}  # data options whose data.path is required
 
 
@@ -343,3 +343,14 @@ def test_workers_are_spawned_unless_asked_otherwise() -> None:
     assert ParallelConfig().start_method is StartMethod.spawn
     for preset in ("ddp2", "ddp4", "ddp8"):
         assert "start_method: spawn " in (Path(CONF_DIR) / "parallel" / f"{preset}.yaml").read_text()
+
+
+def test_the_plans_fixed_costs_refuse_impossible_values_naming_each_key() -> None:
+    """Every bad plan.* cost in one error (the checks report all at once), each named as typed with its fix."""
+    bad = ["plan.nccl_gb=-1", "plan.cuda_context_gb=-0.5", "plan.allocator_slack=5", "plan.resident_baseline_gb=-2"]
+    with pytest.raises(ConfigError) as refused:
+        compose_config(bad)
+    message = str(refused.value)
+    for typed in ("plan.nccl_gb=-1.0", "plan.cuda_context_gb=-0.5", "plan.allocator_slack=5.0", "give it as 0.05"):
+        assert typed in message, message
+    assert "plan.resident_baseline_gb=-2.0 must be 0 or more, or null to measure it" in message
