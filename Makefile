@@ -81,8 +81,9 @@ bench-memory-plan: setup  ## the memory plan: Qwen2.5-7B / 0.5B predictions, and
 	$(BIN)/python -m ddptrain.bench.memory_plan
 	$(BIN)/python -m ddptrain.bench.memory_plan --cpu-check
 
-bench-evaluation: setup  ## eval on 1 rank vs 2 (the same loss), and what the save check costs
+bench-evaluation: setup  ## eval on 1 rank vs 2 (the same loss), what the save check costs a save and a run
 	$(BIN)/python -m ddptrain.bench.evaluation --data ../shared/data/alpaca/alpaca_data_52k.jsonl
+	$(BIN)/python -m ddptrain.bench.save_check
 
 gpu-check: setup  ## on a GPU machine: tests/gpu + the GPU throughput benchmark, one table (< 10 min)
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)

@@ -14,8 +14,8 @@ without a complete, matching manifest is never loaded (``checkpoint_files``). ``
 the last ``trainer.keep_last_n`` are kept, and besides them the best ``trainer.keep_best_n`` by
 ``trainer.best_metric`` as their manifests record it, so the choice survives a resume and a restart. The best
 one's weights are also in ``<run>/best/`` with ``best.json`` (its step and metrics). Before saved weights are put
-in place, ``trainer.save_check`` proves plain peft loads an adapter as trained (``evaluation.save_check``), plain
-transformers a full fine-tune's model, bit for bit, its tied head included (``evaluation.full_check``).
+in place, ``trainer.save_check`` reads them back bit for bit and, at the end, proves plain peft loads an adapter as
+trained, plain transformers a full fine-tune's model (``evaluation.save_check``); ``best/`` is a verified copy.
 
 ``Checkpointer`` decides what a checkpoint holds: the trainer hands it its stateful parts (each
 with ``state_dict``/``load_state_dict``) and the data-order fingerprint; it gathers the per-rank
@@ -50,7 +50,6 @@ from ddptrain.checkpoint_files import (
     WEIGHTS,
     AdapterFiles,
     CheckpointError,
-    _merged,
     _sha256,
     _write_manifest,
     atomic_save_dir,
@@ -67,10 +66,9 @@ from ddptrain.checkpoint_files import (
     what_it_holds,
 )
 from ddptrain.checkpoint_format import upgrade_state, version_of
-from ddptrain.config import SaveCheckMode, TrainerConfig
+from ddptrain.config import TrainerConfig
 from ddptrain.evaluation.best import BestRule, BestTracker
-from ddptrain.evaluation.full_check import FullWeightsCheck, build_save_check
-from ddptrain.evaluation.save_check import SaveCheck
+from ddptrain.evaluation.save_check import SaveChecks, build_save_checks, merge_records
 from ddptrain.parallel import DistEnv
 from ddptrain.precision import TORCH_DTYPES
 from ddptrain.rng import RNGState, rng_untouched
@@ -166,8 +164,9 @@ class Checkpointer:
         self.fingerprint = fingerprint
         self.best = best
 
-    def save(self, step: int) -> dict[str, Any]:
+    def save(self, step: int, final: bool = False) -> dict[str, Any]:
         """Every rank contributes its per-rank parts; rank 0 writes; the others wait for it (``after_rank_zero``).
+        ``final``: the run's last save (no ``adapter/`` follows): ``trainer.save_check`` proves the round trip here.
 
         Returns:
             On rank 0, the save check's metrics record (``trainer.save_check``) when one ran; else empty.
@@ -188,7 +187,7 @@ class Checkpointer:
         if evaluated is not None:  # the pruning ranks checkpoints by these
             meta |= {"eval": evaluated, "best": self.best.best_step == step}
         try:
-            write = partial(self.writer.save, self.weights, state, meta)
+            write = partial(self.writer.save, self.weights, state, meta, final)
             what = f"save the checkpoint of step {step}"
             parallel.after_rank_zero(write, what, self.save_timeout_s, "trainer.save_timeout_s")
             return {"step": step, **self.writer.checked} if self.writer.checked else {}
@@ -286,8 +285,7 @@ class CheckpointWriter:
         keep_last_n: ``trainer.keep_last_n``: the newest checkpoints kept.
         files: the tokenizer and base an adapter carries (None: the weights alone, for tests of the format).
         rule: ``trainer.keep_best_n`` checkpoints kept besides, ranked by their manifest's eval metrics.
-        check: proves the weights it saves load as trained (``trainer.save_check``); None: no check.
-        check_every: check every checkpoint and ``best/`` as written (``every``), or only at the end (``final``).
+        check: proves the weights it saves load as trained, as ``trainer.save_check`` says; None: no check.
     """
 
     def __init__(
@@ -297,19 +295,19 @@ class CheckpointWriter:
         *,
         files: AdapterFiles | None = None,
         rule: BestRule | None = None,
-        check: SaveCheck | None = None,
-        check_every: bool = True,
+        check: SaveChecks | None = None,
     ):
         self.run_dir = run_dir
         self.folder = run_dir / "checkpoints"
         self.keep_last_n = keep_last_n
-        self.files, self.rule, self.check, self.check_every = files, rule, check, check_every
+        self.files, self.rule, self.check = files, rule, check
         self.checked: dict[str, Any] = {}
         """The record of the last save's check (``evaluation.save_check``): empty when none ran."""
 
-    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any], final: bool = False) -> Path:
         """Write ``checkpoints/step-N`` (weights, trainer state, manifest last), point ``latest`` at it, copy its
-        weights to ``best/`` when ``meta`` says it is the best, prune; ``checked`` holds the check's record.
+        weights to ``best/`` when ``meta`` says it is the best, prune; ``checked`` holds the check's record
+        (``final``: the run's last save).
 
         Returns:
             The checkpoint folder.
@@ -318,9 +316,9 @@ class CheckpointWriter:
             Exception: whatever the write or the check raised; the previous checkpoints are untouched.
         """
         with rng_untouched():  # the check draws as it builds models: the run goes on as without it
-            return self._save(model, state, meta)
+            return self._save(model, state, meta, final)
 
-    def _save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> Path:
+    def _save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any], final: bool) -> Path:
         target = self.folder / f"step-{meta['step']:08d}"
         self.checked = checked = {}
         if self.files is not None:
@@ -328,8 +326,8 @@ class CheckpointWriter:
 
         def write(tmp: Path) -> None:
             self._write_weights(model, tmp / WEIGHTS, with_tokenizer=False)
-            if self.check is not None and self.check_every:
-                checked.update(self.check([(tmp / WEIGHTS, target / WEIGHTS)]))
+            if self.check is not None:
+                checked.update(self.check.written(tmp / WEIGHTS, target / WEIGHTS, final))
             torch.save(state, tmp / STATE)
             _write_manifest(tmp, meta)
 
@@ -339,7 +337,7 @@ class CheckpointWriter:
         latest_tmp.replace(self.folder / "latest")
         log.info("saved checkpoint %s", target)
         if meta.get("best") and self.rule is not None and self.rule.keep_best_n > 0:
-            self.checked = _merged(checked, self._save_best(target, meta))
+            self.checked = merge_records(checked, self._save_best(target, meta))
         self._prune()
         return target
 
@@ -350,7 +348,8 @@ class CheckpointWriter:
             self.files.write(model, folder, self.run_dir, with_tokenizer)
 
     def _save_best(self, checkpoint: Path, meta: dict[str, Any]) -> dict[str, Any]:
-        """``<run>/best``: the checkpoint's weights, the tokenizer and ``best.json`` (its step and metrics)."""
+        """``<run>/best``: the checkpoint's weights (a copy verified against its manifest, not checked again), the
+        tokenizer and ``best.json`` (its step and metrics)."""
         best, checked = self.run_dir / BEST, {}
 
         def write(tmp: Path) -> None:
@@ -360,8 +359,8 @@ class CheckpointWriter:
                 self.files.tokenizer.save_pretrained(tmp)
             about = {**meta["eval"], "step": meta["step"], "metric": self.rule.metric, "checkpoint": str(checkpoint)}
             (tmp / BEST_FILE).write_text(json.dumps(about, indent=2) + "\n")
-            if self.check is not None and self.check_every:
-                checked.update(self.check([(tmp, best)]))
+            if self.check is not None:
+                checked.update(self.check.copied(checkpoint, tmp, best))
 
         atomic_save_dir(best, write)
         value = meta["eval"].get(self.rule.metric, math.nan)
@@ -411,7 +410,7 @@ class CheckpointWriter:
 
     def save_final(self, model: nn.Module) -> None:
         """``<run>/adapter``: the final weights, the tokenizer (and a random-init LoRA base in ``<run>/base``), checked
-        (``checked`` holds the record); with ``trainer.save_check=final`` the check covers ``best/`` too."""
+        as the run's last save (``checked`` holds the record)."""
         assert self.files is not None, "the final weights carry the tokenizer: build the writer with files"
         with rng_untouched():
             self._save_final(model)
@@ -424,9 +423,7 @@ class CheckpointWriter:
         def write(tmp: Path) -> None:
             self._write_weights(model, tmp, with_tokenizer=True)
             if self.check is not None:
-                best = self.run_dir / BEST
-                also_best = [(best, best)] if not self.check_every and (best / BEST_FILE).is_file() else []
-                checked.update(self.check([(tmp, adapter), *also_best]))
+                checked.update(self.check.written(tmp, adapter, final=True))
 
         atomic_save_dir(adapter, write)
         log.info("saved the final weights to %s", adapter)
@@ -437,7 +434,7 @@ class NullCheckpointWriter:
 
     checked: dict[str, Any] = {}  # noqa: RUF012 (never written: rank 0 checks)
 
-    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any], final: bool = False) -> None:
         """Rank 0 writes the checkpoint; this rank waits for it (``parallel.after_rank_zero``)."""
 
     def save_final(self, model: nn.Module) -> None:
@@ -468,13 +465,15 @@ def build_checkpointer(
 ) -> Checkpointer:
     """The checkpointer of a run from the ``trainer`` group (``keep_last_n``, ``save_timeout_s``, ``save_check``; the
     best checkpoints by ``best``'s rule): when ``trainer.save_check`` is on, rank 0's writer checks the weights it
-    saves (``evaluation.full_check.build_save_check``: an adapter on a probe of ``probe_rows``, a few training rows;
-    a full fine-tune's model bit for bit). The other arguments are ``Checkpointer``'s."""
-    check: SaveCheck | FullWeightsCheck | None = None
-    if env.is_rank_zero and cfg.save_check != SaveCheckMode.off:
+    saves (``evaluation.save_check.build_save_checks``: the adapter's round trip runs on a probe of ``probe_rows``, a
+    few training rows). The other arguments are ``Checkpointer``'s."""
+    check: SaveChecks | None = None
+    if env.is_rank_zero:
         m = files.model_cfg
+        base = base_model_path(m, run_dir) if m.lora else None
         on_gpu, attn, pad_id = env.device.type == "cuda", m.attn_implementation.value, files.tokenizer.pad_token_id
-        check = build_save_check(weights, m.lora, TORCH_DTYPES[m.dtype], attn, probe_rows, pad_id, on_gpu)
+        dtype = TORCH_DTYPES[m.dtype]
+        check = build_save_checks(cfg.save_check, weights, base, dtype, attn, probe_rows, pad_id, on_gpu)
     writer = build_writer(
         env.is_rank_zero,
         run_dir,
@@ -482,7 +481,6 @@ def build_checkpointer(
         files=files,
         rule=best.rule,
         check=check,
-        check_every=cfg.save_check == SaveCheckMode.every,
     )
     return Checkpointer(
         env,

@@ -155,13 +155,6 @@ def best_step_in(run_dir: Path) -> int | None:
         return None
 
 
-def _merged(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
-    """Two check records of one save as one: the worst differences, the rest (times, counts, folders) added."""
-    if not first or not second:
-        return first or second
-    return {k: max(v, second[k]) if k.endswith("_diff") else v + second[k] for k, v in first.items()}
-
-
 # ----------------------------------------------------------------------------- finding and verifying
 
 

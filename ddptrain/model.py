@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from ddptrain.config import ModelConfig, ModelInit
 from ddptrain.data.encode import IGNORE_INDEX
+from ddptrain.evaluation.host import keep_originals, modeling_module
 from ddptrain.precision import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
@@ -384,13 +385,15 @@ def apply_liger_kernel(cfg: ModelConfig, device: torch.device) -> None:
         raise RuntimeError(
             "model.liger_kernel=true but liger-kernel is not installed: pip install 'ddptrain[liger]'."
         ) from None
-    model_type = AutoConfig.from_pretrained(cfg.config_path or cfg.name_or_path).model_type
+    config = AutoConfig.from_pretrained(cfg.config_path or cfg.name_or_path)
+    model_type = config.model_type
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise RuntimeError(
             f"liger-kernel has no kernels for model type '{model_type}' (model.name_or_path={cfg.name_or_path}): "
             "set model.liger_kernel=false."
         )
     patch = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    keep_originals(modeling_module(config))  # the save check builds its host models with transformers' own classes
     accepted = inspect.signature(patch).parameters
     patch(**{name: value for name, value in LIGER_KERNELS.items() if name in accepted})
 

@@ -239,7 +239,7 @@ class Trainer:
         self.clock.enter("finish", self.step)
         final = self.best.evaluated_at(self.step) or self.evaluate(self.step)
         if self.cfg.trainer.save_final or self.best.wants_checkpoint(self.step) or self.best.should_stop:
-            self.save()
+            self.save(final=not self.cfg.trainer.save_final)  # without adapter/, the run's last save
         if self.cfg.trainer.save_final:
             self.metrics.log(self.checkpointer.save_final(self.step))  # the save check's record, on rank 0
         parallel.barrier()
@@ -249,9 +249,9 @@ class Trainer:
             log.info("early stopping at step %d: %s", self.step, outcome["early_stopped"])
         return outcome
 
-    def save(self) -> None:
+    def save(self, final: bool = False) -> None:
         self.clock.enter("save", self.step)
-        self.metrics.log(self.checkpointer.save(self.step))  # the save check's record (its cost), on rank 0
+        self.metrics.log(self.checkpointer.save(self.step, final))  # the save check's record (its cost), on rank 0
 
     def close(self, status: str) -> None:
         """After the process group is gone (no rank waits on this): a profile cut short, then on rank 0 the

@@ -10,8 +10,10 @@ It prints both times, their ratio and the two eval losses (they must agree to 1e
 float64).
 
 Save check: a LoRA adapter (r 16, every linear) of the bundled tiny model and of Qwen2.5-0.5B (random weights from
-its architecture config) saved as a checkpoint with and without ``trainer.save_check``, and the check alone;
-the fastest of ``--repeats``.
+its architecture config) saved as a checkpoint with and without ``trainer.save_check`` (the default, ``every``, at a
+save before the last: the read-back), the read-back alone, and the round trip through plain peft alone (on one thread
+and on all cores, beside the model and mirrored on the host as a GPU run checks); the fastest of ``--repeats``. What
+the checks cost a run: ``python -m ddptrain.bench.save_check``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -107,9 +110,15 @@ def padded_per_rank(lengths: list[int], micro_batch_size: int, plan: list[list[l
 
 
 def bench_save_check(model: str, repeats: int) -> dict[str, float]:
-    """Seconds to save a checkpoint without and with the check, and of the check alone (fastest of ``repeats``)."""
+    """Seconds to save a checkpoint without and with the check (``trainer.save_check=every`` at a save before the
+    last: the read-back), of the read-back alone, and of the round trip through plain peft beside the model and
+    mirrored on the host (fastest of ``repeats``; the round trip on one thread and on all cores)."""
     from ddptrain import checkpoint
-    from ddptrain.evaluation.save_check import Probe, SaveCheck
+    from ddptrain.config import SaveCheckMode
+    from ddptrain.evaluation import host
+    from ddptrain.evaluation.peft_check import PeftRoundTrip, Probe
+    from ddptrain.evaluation.readback import ReadBack
+    from ddptrain.evaluation.save_check import build_save_checks
     from ddptrain.model import build_model, build_tokenizer
     from ddptrain.precision import TORCH_DTYPES
     from ddptrain.preview import compose_run_config
@@ -124,26 +133,39 @@ def bench_save_check(model: str, repeats: int) -> dict[str, float]:
         if "lora_B" in name:
             p.data.normal_(std=0.02)
     tokenizer = build_tokenizer(cfg.model)
-    probe = Probe.from_rows([tokenizer("Sort 3, 1, 2.").input_ids, tokenizer("Reverse: red sparrow").input_ids], 0)
+    rows = [tokenizer("Sort 3, 1, 2.").input_ids, tokenizer("Reverse: red sparrow").input_ids]
+    probe = Probe.from_rows(rows, 0)
     dtype, attn = TORCH_DTYPES[cfg.model.dtype], cfg.model.attn_implementation.value
-    check = SaveCheck(module.model, probe, dtype, attn)
-    mirrored = SaveCheck(module.model, probe, dtype, attn, on_cpu=True)  # as a GPU run checks, on the host
+    round_trip = PeftRoundTrip(module.model, probe, dtype, attn)
+    mirrored = PeftRoundTrip(module.model, probe, dtype, attn, on_cpu=True)  # as a GPU run checks, on the host
     files = checkpoint.AdapterFiles(tokenizer, cfg.model, seed=0)
-    timings: dict[str, list[float]] = {"save": [], "save with the check": [], "the check alone": [], "mirrored": []}
+    names = ("save", "save with the check", "the read-back alone", "round trip, 1 thread", "round trip, all cores")
+    timings: dict[str, list[float]] = {name: [] for name in (*names, "mirrored, all cores")}
     with tempfile.TemporaryDirectory() as tmp:
+        base = checkpoint.base_model_path(cfg.model, Path(tmp))
+        checks = build_save_checks(SaveCheckMode.every, module.model, base, dtype, attn, rows, 0, on_gpu=False)
+        read_back = ReadBack(module.model, base)
         plain = checkpoint.CheckpointWriter(Path(tmp), keep_last_n=1, files=files)
-        checked = checkpoint.CheckpointWriter(Path(tmp), keep_last_n=1, files=files, check=check)
+        checked = checkpoint.CheckpointWriter(Path(tmp), keep_last_n=1, files=files, check=checks)
         meta = {"epoch": 0, "position": 0}
         plain.save(module.model, {"step": 0}, {"step": 0, **meta})  # writes the random base once, outside the timing
         for step in range(1, repeats + 1):
             for name, writer in (("save", plain), ("save with the check", checked)):
                 start = time.perf_counter()
-                folder = writer.save(module.model, {"step": step}, {"step": step, **meta})
+                folder = writer.save(module.model, {"step": step}, {"step": step, **meta}) / checkpoint.WEIGHTS
                 timings[name].append(time.perf_counter() - start)
-            for name, alone in (("the check alone", check), ("mirrored", mirrored)):
-                start = time.perf_counter()
-                alone([(folder / checkpoint.WEIGHTS, folder / checkpoint.WEIGHTS)])
-                timings[name].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            read_back(folder, folder)
+            timings["the read-back alone"].append(time.perf_counter() - start)
+            for name, alone, cores in (
+                ("round trip, 1 thread", round_trip, 1),
+                ("round trip, all cores", round_trip, host.host_cores()),
+                ("mirrored, all cores", mirrored, host.host_cores()),
+            ):
+                with mock.patch.object(host, "host_cores", lambda n=cores: n):  # what the check raises threads to
+                    start = time.perf_counter()
+                    alone([(folder, folder)])
+                    timings[name].append(time.perf_counter() - start)
     return {name: min(values) for name, values in timings.items()}
 
 
@@ -159,12 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     if not args.save_check_only:
         bench_eval(args)
-    print("| model | save s | save with the check s | the check alone s | the check mirrored on the host s |")
-    print("|---|---:|---:|---:|---:|")
+    names = ("save", "save with the check", "the read-back alone", "round trip, 1 thread", "round trip, all cores")
+    print("| model | " + " | ".join(f"{n} s" for n in (*names, "mirrored, all cores")) + " |")
+    print("|---|" + "---:|" * (len(names) + 1))
     for model in args.models:
         with contextlib.redirect_stderr(open(os.devnull, "w")):
             found = bench_save_check(model, args.repeats)
-        cells = [found[k] for k in ("save", "save with the check", "the check alone", "mirrored")]
+        cells = [found[k] for k in (*names, "mirrored, all cores")]
         print(f"| {model} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
 
 

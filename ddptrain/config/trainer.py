@@ -27,8 +27,9 @@ class Device(str, Enum):
 
 
 class SaveCheckMode(str, Enum):
-    every = "every"  # every checkpoint, best/ and adapter/ as they are written
-    final = "final"  # adapter/ and best/ at the end of the run only
+    every = "every"  # every save read back bit for bit; the plain peft/transformers round trip at the final save
+    full = "full"  # the read-back and the round trip at every save
+    final = "final"  # the read-back and the round trip at the final save only
     off = "off"
 
 
@@ -121,10 +122,15 @@ class TrainerConfig:
     eval_max_new_tokens: int = 64
     """The longest completion of each trainer.eval_prompts prompt (greedy decoding; it stops earlier at the EOS)."""
     save_check: SaveCheckMode = SaveCheckMode.every
-    """Prove each save loads as trained. LoRA: plain peft loads the adapter onto the base the run recorded and must
-    compute the training model's logits on a probe batch (the merged model too); keys canonical, every lora_B
-    trained. A full fine-tune: plain transformers loads the model and holds every trained tensor bit for bit, its
-    tied head included. every: each checkpoint, best/ and adapter/; final: adapter/ and best/ at the end only; off."""
+    """Prove the saves load as trained, in two ways. The read-back: the files as written hold the live trainable
+    tensors bit for bit, under canonical keys (an adapter: its adapter_config.json names the run's base and LoRA
+    settings); a few hundredths of a second for an adapter. The round trip: plain peft loads the adapter onto its base
+    and computes the training model's logits on a probe batch, the merged model within the rounding of a merge (a full
+    fine-tune: plain transformers loads the model, every tensor bit for bit, tied head included); it loads the base
+    again, on all the host's cores. every: the read-back at every save, the round trip too at the final save
+    (adapter/, or the last checkpoint with trainer.save_final=false); full: both at every save (the base stays loaded
+    between checks where host memory allows); final: both at the final save only; off: none. best/ is a copy of a
+    checked checkpoint's files, verified byte for byte against its manifest, not checked again."""
     save_timeout_s: int = 3600
     """How long the other ranks wait for rank 0 to write a checkpoint or the final weights. They wait through the
     store, not in a collective, so a save may outlast parallel.timeout_s (tens of GB on network storage); a save
@@ -202,7 +208,7 @@ def _check_best(t: TrainerConfig) -> list[str]:
     if t.save_check == SaveCheckMode.final and not t.save_final:
         problems.append(
             "trainer.save_check=final checks the weights saved at the end, but trainer.save_final=false saves none: "
-            "set trainer.save_check=every (each checkpoint and best/) or off."
+            "set trainer.save_check=every (each checkpoint read back) or off."
         )
     if stopping.patience > 0 and t.eval_every_n_steps == 0:
         problems.append(

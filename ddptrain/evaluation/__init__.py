@@ -3,8 +3,11 @@
     metrics    the eval loss, perplexity and greedy accuracy over the whole eval split (every rank its share)
     best       which evaluation was the best so far, and whether the run should stop early
     samples    greedy completions of trainer.eval_prompts at every evaluation (no collective while generating)
-    save_check proof that a saved adapter loads in plain peft and computes what the training model computes
-    full_check proof that a full fine-tune's saved model loads in plain transformers bit for bit, tied head included
+    save_check which proof each save gets (trainer.save_check), and best/ as a verified copy
+    readback   every save's files read back bit for bit against the live trainable tensors
+    peft_check an adapter's round trip through plain peft: logits, merged model (a bound from dtype and depth)
+    full_check a full fine-tune's round trip through plain transformers, bit for bit, tied head included
+    host       the check's host: all its cores, room to keep the base, transformers' own classes (not Liger's)
 
 The trainer calls them; each takes the values it needs as arguments (no config group is read here).
 """

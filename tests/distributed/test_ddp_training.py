@@ -60,8 +60,11 @@ def test_replicas_identical_and_every_lora_param_trains(tmp_path, datasets_cache
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 4 and all(loss > 0 for loss in losses)
-    checked = [r for r in records if "save_check_s" in r]  # the last checkpoint and the adapter loaded in peft
-    assert [r["step"] for r in checked] == [4, 4] and all(r["save_check_max_abs_diff"] <= 1e-5 for r in checked)
+    # The last checkpoint read back bit for bit; adapter/ read back and loaded in peft (the last save: the round trip).
+    checked = [r for r in records if "save_check_s" in r]
+    assert [r["step"] for r in checked] == [4, 4] and all(r["save_check_tensors"] > 0 for r in checked)
+    assert ["save_check_round_trip" in r for r in checked] == [False, True]
+    assert checked[1]["save_check_max_abs_diff"] <= 1e-5
 
 
 def test_each_sample_once_per_epoch_disjoint_and_reshuffled(tmp_path, datasets_cache) -> None:

@@ -150,5 +150,20 @@ def test_the_evaluation_benchmark_times_a_save_with_and_without_its_check(capsys
     evaluation.main(["--save-check-only", "--models", "tiny_qwen2", "--repeats", "1"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny_qwen2 |")]
     assert len(rows) == 1
-    save, with_check, check, mirrored = (float(cell) for cell in rows[0].strip("|").split("|")[1:])
-    assert save > 0 and check > 0 and mirrored > 0 and with_check > save
+    cells = [float(cell) for cell in rows[0].strip("|").split("|")[1:]]
+    # save, save with the check, the read-back alone, the round trip on 1 thread and on all cores, mirrored
+    assert len(cells) == 6 and all(c > 0 for c in cells)
+
+
+def test_the_save_check_benchmark_sets_the_checks_of_a_run_beside_its_steps(capsys) -> None:
+    from ddptrain.bench import save_check
+
+    save_check.main(["--models", "tiny_qwen2", "--steps", "3", "--repeats", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny_qwen2 |")]
+    assert len(rows) == 1 and float(rows[0].split("|")[2]) > 0, rows  # a step was timed
+    assert all(c.strip().endswith("%") for c in rows[0].strip("|").split("|")[-2:]), rows
+    # What it times: with the default every save read back and the end's round trip (its merged bound recorded), and
+    # without the check nothing (the seconds the checks' records report).
+    checked, plain = (save_check.save_seconds("tiny_qwen2", mode, 1) for mode in ("every", "off"))
+    assert checked["evaluation check"] > 0 and checked["end check"] > 0 and checked["merged bound"] is not None
+    assert plain["evaluation check"] == plain["end check"] == 0 and plain["merged bound"] is None

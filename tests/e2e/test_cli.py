@@ -91,8 +91,11 @@ def check_training_run(run_dir: Path, result: subprocess.CompletedProcess) -> No
     assert train[-1]["loss"] < train[0]["loss"] - 0.3, [r["loss"] for r in train]
     (final_eval,) = [r for r in records if "eval_loss" in r]
     assert eval_loss_from_saved_adapter(run_dir) == pytest.approx(final_eval["eval_loss"], rel=1e-5)
-    checked = [r for r in records if "save_check_s" in r]  # the last checkpoint, best/ and adapter/ loaded in peft
-    assert [r["step"] for r in checked] == [20, 20] and len(checked[0]["save_check_folders"]) == 2
+    # The last checkpoint read back, best/ verified as its copy (checked once), adapter/ read back and loaded in peft.
+    checked = [r for r in records if "save_check_s" in r]
+    assert [r["step"] for r in checked] == [20, 20] and len(checked[0]["save_check_folders"]) == 1
+    assert [Path(f).name for f in checked[0]["save_check_copies"]] == ["best"]
+    assert "save_check_round_trip" not in checked[0] and checked[1]["save_check_max_abs_diff"] <= 1e-5
     # trainer.precision=auto (the default) on a CPU: fp32, and the run's config and log say so.
     assert "\n  precision: fp32\n" in (run_dir / "config.yaml").read_text()
     assert "trainer.precision=auto on cpu: fp32, no autocast" in (run_dir / "train.log").read_text()

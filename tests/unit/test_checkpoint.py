@@ -17,9 +17,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from ddptrain import checkpoint, export, parallel, rng
-from ddptrain.config import to_yaml
-from ddptrain.evaluation.full_check import FullWeightsCheck
-from ddptrain.evaluation.save_check import SaveCheckError
+from ddptrain.config import SaveCheckMode, to_yaml
+from ddptrain.evaluation.save_check import SaveCheckError, build_save_checks
 from ddptrain.model import build_model, build_tokenizer
 from ddptrain.trainer import Trainer
 from tests.conftest import REPO, compose_config
@@ -311,7 +310,7 @@ def flip_a_bit(folder: Path) -> str:
     weights = checkpoint.read_weights(folder)
     weights[key].view(torch.int32)[0, 0] ^= 1
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return rf"{key} is not the trained tensor"
+    return rf"{key} as read back is not the trained tensor"
 
 
 def untie_on_load(folder: Path) -> str:
@@ -340,16 +339,20 @@ def wrap_keys(folder: Path) -> str:
 
 @pytest.mark.parametrize("corrupt", [None, flip_a_bit, untie_on_load, untie_without_head, wrap_keys])
 def test_the_save_check_of_full_weights_loads_them_in_transformers_bit_for_bit(tmp_path, corrupt) -> None:
-    """trainer.save_check with model.lora=false: the saved folder loads with plain AutoModelForCausalLM and holds the
-    training model's tensors bit for bit, tied head included; each way of spoiling it is named."""
+    """trainer.save_check with model.lora=false, at the final save: the files read back hold the training model's
+    tensors bit for bit (the tied head left out), and the folder loads with plain AutoModelForCausalLM holding them
+    all, tied head included; each way of spoiling it is named (a flipped bit and a wrapper's prefix by the read-back,
+    the ties by the load)."""
     model = full_model(tmp_path, tied=True)
     folder = tmp_path / "weights"
     model.save_pretrained(folder)
-    check = FullWeightsCheck(model, torch.float32)
+    check = build_save_checks(SaveCheckMode.every, model, None, torch.float32, "sdpa", [], 0, on_gpu=False)
     if corrupt is None:
-        record = check([(folder, folder)])
-        assert record["save_check_tensors"] == len(model.state_dict()) and record["save_check_folders"] == [str(folder)]
+        record = check.written(folder, folder, final=True)
+        assert record["save_check_tensors"] == len(checkpoint.read_weights(folder))  # every tensor in the files
+        assert record["save_check_loaded_tensors"] == len(model.state_dict())  # and every one of the loaded model
+        assert record["save_check_folders"] == record["save_check_round_trip"] == [str(folder)]
         return
     named = corrupt(folder)
     with pytest.raises(SaveCheckError, match=named):
-        check([(folder, tmp_path / "shown")])
+        check.written(folder, tmp_path / "shown", final=True)

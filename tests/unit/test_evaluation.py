@@ -1,20 +1,17 @@
 """The evaluation side on one process: the best tracker and early stopping, the eval batch plan, prompts rendered as
-training renders rows, the save check against corrupted adapters (alone and failing a run), and what the
-diagnosis reads of evaluations and checks."""
+training renders rows, pruning by the best, and what the diagnosis reads of evaluations and checks (the save check
+itself: ``test_save_check.py``)."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ddptrain import checkpoint, parallel
 from ddptrain.config import DataConfig, Template
@@ -26,8 +23,7 @@ from ddptrain.diagnose.render import render_markdown
 from ddptrain.diagnose.runs import read_metrics
 from ddptrain.evaluation.best import BestRule, BestTracker
 from ddptrain.evaluation.evaluator import Evaluator
-from ddptrain.evaluation.save_check import Probe, SaveCheck, SaveCheckError
-from ddptrain.model import build_model, build_tokenizer, point_adapter_at_base, save_random_base
+from ddptrain.model import build_model, build_tokenizer
 from ddptrain.trainer import Trainer
 from tests.conftest import QWEN2_TOKENIZER, compose_config, requires_shared
 from tests.unit.test_diagnose import make_run, rank_entry, record
@@ -116,133 +112,14 @@ def test_a_chat_prompt_ends_with_the_templates_generation_prompt() -> None:
     assert renderer.text("Name a colour.").endswith("<|im_start|>assistant\n")
 
 
-# ----------------------------------------------------------------------------- the save check
-
 TINY = ["data.max_rows=64", "data.eval_fraction=0", "trainer.progress_bar=false", "parallel=single"]
 
 
 @pytest.fixture(scope="module")
 def trained_lora():
-    """The bundled model with LoRA, its lora_B drawn as if trained (it starts at zero), and its tokenizer."""
+    """The bundled model with LoRA and its tokenizer (the save check's tests: ``test_save_check.py``)."""
     cfg = compose_config([])
-    torch.manual_seed(0)
-    module = build_model(cfg.model, seed=0, device=torch.device("cpu"))
-    for name, p in module.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(std=0.02)
-    return cfg, module.model, build_tokenizer(cfg.model)
-
-
-def saved_adapter(tmp_path: Path, trained_lora, on_cpu: bool = False) -> tuple[Path, SaveCheck]:
-    """A checkpoint saved and checked as a run saves it. ``on_cpu``: the check a GPU run makes (the base loaded on
-    the host, the training model mirrored there), run here on the CPU."""
-    cfg, model, tokenizer = trained_lora
-    files = checkpoint.AdapterFiles(tokenizer, cfg.model, seed=0)
-    probe = Probe.from_rows([tokenizer("Sort 3, 1, 2.").input_ids, tokenizer("Reverse: red sparrow").input_ids], 0)
-    check = SaveCheck(model, probe, torch.float32, cfg.model.attn_implementation.value, on_cpu=on_cpu)
-    writer = checkpoint.CheckpointWriter(tmp_path, keep_last_n=1, files=files, check=check)
-    folder = writer.save(model, {"step": 3}, {"step": 3, "epoch": 0, "position": 3}) / checkpoint.WEIGHTS
-    assert writer.checked["save_check_max_abs_diff"] <= 1e-5  # the check ran on the way, and passed
-    return folder, check
-
-
-def rewrite(folder: Path, change) -> None:
-    path = folder / "adapter_model.safetensors"
-    weights = load_file(str(path))
-    save_file(change(weights), str(path))
-
-
-CORRUPTIONS = {
-    "module-prefix": (lambda w: {f"module.{k}": v for k, v in w.items()}, "carry a wrapper's prefix"),
-    "zeroed-lora_B": (
-        lambda w: {
-            k: torch.zeros_like(v) if k.endswith("layers.1.mlp.down_proj.lora_B.weight") else v for k, v in w.items()
-        },
-        r"1 lora_B weight\(s\) are all zero",
-    ),
-    "dropped-key": (lambda w: dict(list(w.items())[1:]), "missing base_model"),
-    "other-weights": (lambda w: {k: v * 1.5 if "lora_B" in k else v for k, v in w.items()}, "other logits"),
-}
-
-
-@pytest.mark.parametrize("on_cpu", [False, True], ids=["beside-the-model", "mirrored-on-the-host"])
-@pytest.mark.parametrize("kind", CORRUPTIONS)
-def test_the_save_check_refuses_a_corrupted_adapter_naming_the_file(tmp_path, trained_lora, kind, on_cpu) -> None:
-    folder, check = saved_adapter(tmp_path, trained_lora, on_cpu)
-    change, message = CORRUPTIONS[kind]
-    rewrite(folder, change)
-    with pytest.raises(SaveCheckError, match=message) as refused:
-        check([(folder, folder)])
-    assert str(folder / "adapter_model.safetensors") in str(refused.value)
-
-
-@pytest.mark.parametrize("on_cpu", [False, True], ids=["beside-the-model", "mirrored-on-the-host"])
-def test_a_diverged_model_saves_with_a_warning_and_its_nans_must_match(tmp_path, trained_lora, on_cpu, caplog) -> None:
-    """A run that trained past NaN weights (a learning rate too high) computes NaN logits: its adapter, saved as it
-    is, loads and computes the same NaNs, so the save passes with a warning rather than failing the run as "not the
-    trained one"; an adapter that holds finite numbers where the model holds NaN is still refused."""
-    cfg, model, tokenizer = trained_lora
-    diverged = copy.deepcopy(model)
-    lora_a = next(
-        p for name, p in diverged.named_parameters() if name.endswith("layers.0.mlp.down_proj.lora_A.default.weight")
-    )
-    lora_a.data[0, 0] = math.nan
-    with caplog.at_level(logging.WARNING, logger="ddptrain.checkpoint"):
-        folder, check = saved_adapter(tmp_path, (cfg, diverged, tokenizer), on_cpu)
-    assert "the run has diverged" in caplog.text
-    assert check([(folder, folder)])["save_check_max_abs_diff"] == 0.0
-    rewrite(folder, lambda w: {k: v.nan_to_num(0.0) for k, v in w.items()})
-    with pytest.raises(SaveCheckError, match="NaN or infinite where the training model's are not"):
-        check([(folder, folder)])
-
-
-@pytest.mark.parametrize("kind", ["module-prefix", "zeroed-lora_B", "dropped-key"])
-def test_a_corrupted_save_fails_the_run_and_leaves_no_checkpoint(tmp_path, monkeypatch, kind) -> None:
-    """The weights as saved are corrupted on the way to disk (as a wrapper's prefix, a lost tensor or a half-written
-    file would); the run fails at that save, naming the file, and puts no checkpoint in place."""
-    real_write = checkpoint.AdapterFiles.write
-    change = CORRUPTIONS[kind][0]
-
-    def corrupting(self, model, folder, run_dir, with_tokenizer):
-        real_write(self, model, folder, run_dir, with_tokenizer)
-        rewrite(folder, change)
-
-    monkeypatch.setattr(checkpoint.AdapterFiles, "write", corrupting)
-    cfg = compose_config([*TINY, "trainer.max_steps=2", "trainer.save_every_n_steps=1"])
-    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
-    try:
-        trainer = Trainer(cfg, env, tmp_path)
-        with pytest.raises(RuntimeError, match="SaveCheckError") as failed:
-            trainer.fit()
-    finally:
-        parallel.teardown()
-    assert str(tmp_path / "checkpoints" / "step-00000001" / "weights" / "adapter_model.safetensors") in str(
-        failed.value
-    )
-    assert checkpoint.newest_complete(tmp_path / "checkpoints") is None
-
-
-@pytest.mark.parametrize("on_cpu", [False, True], ids=["beside-the-model", "mirrored-on-the-host"])
-def test_an_adapter_that_names_another_base_is_refused(tmp_path, trained_lora, on_cpu) -> None:
-    """adapter_config.json points at a base that is not the one trained on (another seed's random weights): peft
-    would load the adapter onto it without a word."""
-    cfg, _, tokenizer = trained_lora
-    folder, check = saved_adapter(tmp_path, trained_lora, on_cpu)
-    save_random_base(cfg.model, seed=1, tokenizer=tokenizer, out_dir=tmp_path / "other-base")
-    point_adapter_at_base(folder, str(tmp_path / "other-base"))
-    refused = "not the weight the run trains on" if on_cpu else "other logits"
-    with pytest.raises(SaveCheckError, match=refused):
-        check([(folder, folder)])
-
-
-def test_a_best_copy_that_differs_from_its_checkpoint_is_refused(tmp_path, trained_lora) -> None:
-    """best/ is checked as its own folder: a copy that lost a tensor fails though its checkpoint passed."""
-    folder, check = saved_adapter(tmp_path, trained_lora)
-    best = tmp_path / "best"
-    shutil.copytree(folder, best)
-    rewrite(best, CORRUPTIONS["dropped-key"][0])
-    with pytest.raises(SaveCheckError, match=str(best)):
-        check([(folder, folder), (best, best)])
+    return cfg, build_model(cfg.model, seed=0, device=torch.device("cpu")).model, build_tokenizer(cfg.model)
 
 
 # ----------------------------------------------------------------------------- what the diagnosis reads
@@ -320,17 +197,6 @@ def test_pruning_keeps_the_best_by_the_metrics_direction_and_the_newest(tmp_path
         writer.save(model, {"step": step}, meta)
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert kept == ["step-00000001", "step-00000003", "step-00000005"]
-
-
-def test_a_merge_that_loses_the_adapter_is_refused(tmp_path, trained_lora, monkeypatch) -> None:
-    """The merged model (what python -m ddptrain.export --merge saves) is compared too: a merge that dropped the
-    adapter computes the base's logits, and the check names the file and the merge."""
-    from peft.tuners.lora import LoraModel
-
-    folder, check = saved_adapter(tmp_path, trained_lora)
-    monkeypatch.setattr(LoraModel, "merge_and_unload", LoraModel.unload)  # unload: the base without the adapter
-    with pytest.raises(SaveCheckError, match=r"merged into its base \(merge_and_unload\)"):
-        check([(folder, folder)])
 
 
 def test_an_evaluation_that_gives_no_number_is_logged_and_counts_against_patience(caplog) -> None:
