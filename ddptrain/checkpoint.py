@@ -187,7 +187,7 @@ class Checkpointer:
         if evaluated is not None:  # the pruning ranks checkpoints by these
             meta |= {"eval": evaluated, "best": self.best.best_step == step}
         try:
-            write = partial(self.writer.save, self.weights, state, meta, final)
+            write = partial(self.writer.save, self.weights, state, meta, final=final)
             what = f"save the checkpoint of step {step}"
             parallel.after_rank_zero(write, what, self.save_timeout_s, "trainer.save_timeout_s")
             return {"step": step, **self.writer.checked} if self.writer.checked else {}

@@ -23,13 +23,13 @@ def train_with_rank0_save_held(cfg: RunConfig, run_dir: str, store_port: int | N
 
     write = checkpoint.CheckpointWriter.save
 
-    def held(self: checkpoint.CheckpointWriter, model: Any, state: dict, meta: dict) -> Any:
+    def held(self: checkpoint.CheckpointWriter, model: Any, state: dict, meta: dict, **kwargs: Any) -> Any:
         record = Path(run_dir) / "held.json"
         if not record.exists():
             started = time.monotonic()
             time.sleep(HOLD_S)
             record.write_text(json.dumps({"step": meta["step"], "held_s": time.monotonic() - started}))
-        return write(self, model, state, meta)
+        return write(self, model, state, meta, **kwargs)
 
     checkpoint.CheckpointWriter.save = held
     return launch.worker(cfg, run_dir, store_port)
@@ -42,7 +42,7 @@ def train_with_rank0_save_failing(cfg: RunConfig, run_dir: str, store_port: int 
     from ddptrain import checkpoint, launch
     from ddptrain.trainer import Trainer
 
-    def full_disk(self: checkpoint.CheckpointWriter, model: Any, state: dict, meta: dict) -> None:
+    def full_disk(self: checkpoint.CheckpointWriter, model: Any, state: dict, meta: dict, **kwargs: Any) -> None:
         (Path(run_dir) / "failed_at").write_text(repr(time.time()))
         raise OSError(errno.ENOSPC, "No space left on device (injected by the test)")
 
@@ -64,10 +64,10 @@ def train_with_rank0_save_stuck(cfg: RunConfig, run_dir: str, store_port: int | 
 
     write = checkpoint.CheckpointWriter.save
 
-    def stuck(self: checkpoint.CheckpointWriter, model: Any, state: dict, meta: dict) -> Any:
+    def stuck(self: checkpoint.CheckpointWriter, model: Any, state: dict, meta: dict, **kwargs: Any) -> Any:
         (Path(run_dir) / "stuck_at").write_text(repr(time.time()))
         time.sleep(STUCK_S)
-        return write(self, model, state, meta)
+        return write(self, model, state, meta, **kwargs)
 
     checkpoint.CheckpointWriter.save = stuck
     Trainer.fit = _recording_its_error(Trainer.fit, run_dir)
