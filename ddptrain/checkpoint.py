@@ -50,7 +50,6 @@ from ddptrain.checkpoint_files import (
     WEIGHTS,
     AdapterFiles,
     CheckpointError,
-    _sha256,
     _write_manifest,
     atomic_save_dir,
     base_model_path,
@@ -86,7 +85,6 @@ __all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFES
     "CheckpointWriter",
     "Checkpointer",
     "NullCheckpointWriter",
-    "_sha256",
     "_write_manifest",
     "atomic_save_dir",
     "base_model_path",
@@ -163,6 +161,8 @@ class Checkpointer:
         self.per_rank = {**per_rank, "rng": RNGState()}
         self.fingerprint = fingerprint
         self.best = best
+        self.saved_step: int | None = None
+        """The step of this run's newest checkpoint (saved, or resumed from); None while it has none."""
 
     def save(self, step: int, final: bool = False) -> dict[str, Any]:
         """Every rank contributes its per-rank parts; rank 0 writes; the others wait for it (``after_rank_zero``).
@@ -190,6 +190,7 @@ class Checkpointer:
             write = partial(self.writer.save, self.weights, state, meta, final=final)
             what = f"save the checkpoint of step {step}"
             parallel.after_rank_zero(write, what, self.save_timeout_s, "trainer.save_timeout_s")
+            self.saved_step = step
             return {"step": step, **self.writer.checked} if self.writer.checked else {}
         except Exception as err:
             previous = newest_complete(self.run_dir / "checkpoints")
@@ -240,6 +241,7 @@ class Checkpointer:
         adopt = partial(self.writer.adopt_best, folder.parent.parent, self.best.best_step)
         parallel.after_rank_zero(adopt, "carry best/ over", self.save_timeout_s, "trainer.save_timeout_s")
         log.info("resumed from %s at step %d (epoch %d)", folder, state["step"], state["sampler"]["epoch"])
+        self.saved_step = state["step"]
         return state["step"]
 
 
@@ -324,10 +326,12 @@ class CheckpointWriter:
         if self.files is not None:
             self.files.ensure_base(self.run_dir)
 
+        best = bool(meta.get("best")) and self.rule is not None and self.rule.keep_best_n > 0  # copied to best/
+
         def write(tmp: Path) -> None:
             self._write_weights(model, tmp / WEIGHTS, with_tokenizer=False)
             if self.check is not None:
-                checked.update(self.check.written(tmp / WEIGHTS, target / WEIGHTS, final))
+                checked.update(self.check.written(tmp / WEIGHTS, target / WEIGHTS, final, best))
             torch.save(state, tmp / STATE)
             _write_manifest(tmp, meta)
 
@@ -336,7 +340,7 @@ class CheckpointWriter:
         latest_tmp.write_text(target.name + "\n")
         latest_tmp.replace(self.folder / "latest")
         log.info("saved checkpoint %s", target)
-        if meta.get("best") and self.rule is not None and self.rule.keep_best_n > 0:
+        if best:
             self.checked = merge_records(checked, self._save_best(target, meta))
         self._prune()
         return target
@@ -379,7 +383,13 @@ class CheckpointWriter:
         if best_step_in(self.run_dir) == best_step:
             return
         if best_step_in(source_run) == best_step:
-            atomic_save_dir(target, lambda tmp: shutil.copytree(source, tmp, dirs_exist_ok=True))
+
+            def carry(tmp: Path) -> None:  # verified against the checkpoint it was copied from, where that is kept
+                shutil.copytree(source, tmp, dirs_exist_ok=True)
+                if self.check is not None and (kept / MANIFEST).is_file():
+                    self.check.copied(kept, tmp, target)
+
+            atomic_save_dir(target, carry)
         elif (kept / MANIFEST).is_file():
             self._save_best(kept, {"step": best_step, "eval": read_manifest(kept).get("eval") or {}})
         else:
@@ -474,14 +484,7 @@ def build_checkpointer(
         on_gpu, attn, pad_id = env.device.type == "cuda", m.attn_implementation.value, files.tokenizer.pad_token_id
         dtype = TORCH_DTYPES[m.dtype]
         check = build_save_checks(cfg.save_check, weights, base, dtype, attn, probe_rows, pad_id, on_gpu)
-    writer = build_writer(
-        env.is_rank_zero,
-        run_dir,
-        cfg.keep_last_n,
-        files=files,
-        rule=best.rule,
-        check=check,
-    )
+    writer = build_writer(env.is_rank_zero, run_dir, cfg.keep_last_n, files=files, rule=best.rule, check=check)
     return Checkpointer(
         env,
         run_dir,

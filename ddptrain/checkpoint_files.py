@@ -76,7 +76,8 @@ def atomic_save_dir(target: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of ``path``'s bytes, hex: what a manifest lists for each file."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -86,7 +87,7 @@ def _sha256(path: Path) -> str:
 
 def _write_manifest(folder: Path, meta: dict[str, Any]) -> None:
     files = {
-        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
@@ -182,7 +183,7 @@ def verify(folder: Path) -> dict[str, Any]:
     manifest = read_manifest(folder)
     for name, info in manifest["files"].items():
         path = folder / name
-        if not path.is_file() or path.stat().st_size != info["bytes"] or _sha256(path) != info["sha256"]:
+        if not path.is_file() or path.stat().st_size != info["bytes"] or sha256_file(path) != info["sha256"]:
             raise CheckpointError(
                 f"{folder}: {name} is missing or differs from the manifest; the checkpoint is corrupt. Resume "
                 "from an older one (trainer.resume=<run>/checkpoints/step-N) or from the run directory, which "

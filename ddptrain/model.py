@@ -8,7 +8,6 @@ the data side (``data/encode.py``); the forward pass's numerics (autocast, TF32)
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import warnings
@@ -22,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from ddptrain.config import ModelConfig, ModelInit
 from ddptrain.data.encode import IGNORE_INDEX
-from ddptrain.evaluation.host import keep_originals, modeling_module
+from ddptrain.liger import apply_liger_kernel
 from ddptrain.precision import TORCH_DTYPES
 
 log = logging.getLogger(__name__)
@@ -336,20 +335,6 @@ class CausalLMLoss(nn.Module):
         return self.lm_head(hidden).float()
 
 
-# What ddptrain asks of Liger; each family's patch function takes the subset it knows (Gemma has
-# geglu where Llama and Qwen have swiglu). The loss stays ddptrain's (LM head on target positions
-# only), so Liger's cross-entropy patches stay off.
-LIGER_KERNELS = {
-    "rope": True,
-    "rms_norm": True,
-    "swiglu": True,
-    "geglu": True,
-    "layer_norm": True,
-    "cross_entropy": False,
-    "fused_linear_cross_entropy": False,
-}
-
-
 def batch_to_device(batch: dict[str, Any], device: torch.device, compiled: bool) -> dict[str, Any]:
     """Tensors to the device; plain numbers (flash-attention's max lengths) stay as they are."""
     moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -366,36 +351,6 @@ def mark_shapes_dynamic(batch: dict[str, Any]) -> dict[str, Any]:
         if torch.is_tensor(tensor) and tensor.dim() > 0:
             torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 1)
     return batch
-
-
-def apply_liger_kernel(cfg: ModelConfig, device: torch.device) -> None:
-    """Patch the model family's transformers classes with Liger's fused kernels (before the model is built).
-
-    Raises:
-        RuntimeError: no CUDA device, liger-kernel not installed (any other import error is shown
-            as it is), or an unsupported model family.
-    """
-    if device.type != "cuda":
-        raise RuntimeError("model.liger_kernel=true needs a CUDA device: set model.liger_kernel=false on CPU.")
-    try:
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-    except ModuleNotFoundError as err:
-        if err.name != "liger_kernel":
-            raise  # liger-kernel is there but one of its own imports failed: that error says why
-        raise RuntimeError(
-            "model.liger_kernel=true but liger-kernel is not installed: pip install 'ddptrain[liger]'."
-        ) from None
-    config = AutoConfig.from_pretrained(cfg.config_path or cfg.name_or_path)
-    model_type = config.model_type
-    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
-        raise RuntimeError(
-            f"liger-kernel has no kernels for model type '{model_type}' (model.name_or_path={cfg.name_or_path}): "
-            "set model.liger_kernel=false."
-        )
-    patch = MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
-    keep_originals(modeling_module(config))  # the save check builds its host models with transformers' own classes
-    accepted = inspect.signature(patch).parameters
-    patch(**{name: value for name, value in LIGER_KERNELS.items() if name in accepted})
 
 
 def architecture_config(cfg: ModelConfig) -> PretrainedConfig:

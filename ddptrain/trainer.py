@@ -18,7 +18,7 @@ import torch
 
 from ddptrain import checkpoint, model, parallel, rng
 from ddptrain.attention import wants_varlen_lengths, warn_about_attention_cost
-from ddptrain.config import DType, RunConfig, config_as_dict
+from ddptrain.config import DType, RunConfig, SaveCheckMode, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
 from ddptrain.evaluation.best import build_best_tracker
 from ddptrain.evaluation.evaluator import Evaluator
@@ -99,12 +99,11 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
-        """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way. The data position
-        lives in the sampler: a resumed run continues mid-epoch where the checkpoint left off. SIGTERM (pre-emption)
-        or a first Ctrl-C saves a checkpoint at the next step boundary and returns (``ddptrain.process.signals``); a
-        non-finite step stops every rank there as trainer.on_nonfinite says (``ddptrain.observe.nonfinite``). Returns
-        the last logged metrics record (identical on every rank); after a stop by signal it also holds ``stopped_by``
-        and ``stopped_at_step``; after a divergence, only ``diverged`` (its record)."""
+        """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way; a resumed run goes on
+        mid-epoch (the sampler holds the data position). SIGTERM or a first Ctrl-C saves a checkpoint at the next step
+        boundary and returns (``process.signals``); a non-finite step stops every rank there as trainer.on_nonfinite
+        says (``observe.nonfinite``). Returns the last metrics record (the same on every rank), with ``stopped_by`` and
+        ``stopped_at_step`` after a stop by signal; after a divergence, only ``diverged`` (its record)."""
         log.info("training %d steps on %d ranks, from step %d", self.total_steps, self.env.world_size, self.step)
         try:
             with signals.stop_on_signals() as stop:
@@ -233,13 +232,14 @@ class Trainer:
         return record
 
     def finish(self) -> dict[str, Any]:
-        """Final evaluation (unless this step was just evaluated: early stop), the last checkpoint, the final weights.
-        Returns the final eval metrics, and the best evaluation (``best_step``, ``best_value`` of ``best_metric``: what
-        a sweep's job returns) and ``early_stopped`` (why) when there were any."""
+        """Final evaluation (unless just evaluated: early stop), the last checkpoint (without adapter/, one once the run
+        has any: the save check's round trip runs there), the final weights. Returns the final eval metrics, the best
+        evaluation (``best_step``, ``best_value`` of ``best_metric``) and ``early_stopped`` (why) if any."""
         self.clock.enter("finish", self.step)
         final = self.best.evaluated_at(self.step) or self.evaluate(self.step)
-        if self.cfg.trainer.save_final or self.best.wants_checkpoint(self.step) or self.best.should_stop:
-            self.save(final=not self.cfg.trainer.save_final)  # without adapter/, the run's last save
+        last = self.checkpointer.saved_step is not None and self.cfg.trainer.save_check != SaveCheckMode.off
+        if self.cfg.trainer.save_final or last or self.best.wants_checkpoint(self.step) or self.best.should_stop:
+            self.save(final=not self.cfg.trainer.save_final)
         if self.cfg.trainer.save_final:
             self.metrics.log(self.checkpointer.save_final(self.step))  # the save check's record, on rank 0
         parallel.barrier()

@@ -178,17 +178,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save-check-only", action="store_true")
     parser.add_argument("--models", nargs="+", default=["tiny_qwen2", "qwen2_5_0_5b_lora"])
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    if not args.save_check_only:
-        bench_eval(args)
-    names = ("save", "save with the check", "the read-back alone", "round trip, 1 thread", "round trip, all cores")
-    print("| model | " + " | ".join(f"{n} s" for n in (*names, "mirrored, all cores")) + " |")
-    print("|---|" + "---:|" * (len(names) + 1))
-    for model in args.models:
-        with contextlib.redirect_stderr(open(os.devnull, "w")):
-            found = bench_save_check(model, args.repeats)
-        cells = [found[k] for k in (*names, "mirrored, all cores")]
-        print(f"| {model} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    try:
+        if not args.save_check_only:
+            bench_eval(args)
+        names = ("save", "save with the check", "the read-back alone", "round trip, 1 thread", "round trip, all cores")
+        print("| model | " + " | ".join(f"{n} s" for n in (*names, "mirrored, all cores")) + " |")
+        print("|---|" + "---:|" * (len(names) + 1))
+        for model in args.models:
+            with contextlib.redirect_stderr(open(os.devnull, "w")):
+                found = bench_save_check(model, args.repeats)
+            cells = [found[k] for k in (*names, "mirrored, all cores")]
+            print(f"| {model} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    finally:
+        torch.set_num_threads(threads)  # called in-process (tests/e2e/test_bench.py): the caller's threads back
 
 
 if __name__ == "__main__":

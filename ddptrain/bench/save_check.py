@@ -125,8 +125,12 @@ def save_seconds(model: str, save_check: str, repeats: int) -> dict[str, float]:
         writer.save_final(module.model)
         found["end"].append(time.perf_counter() - start)
         found["end check"].append(end_check + writer.checked.get("save_check_s", 0.0))
-        merged = {k: writer.checked.get(f"save_check_merged_{k}") for k in ("max_abs_diff", "bound")}
-    return {**{name: min(values) for name, values in found.items()}, **{f"merged {k}": v for k, v in merged.items()}}
+        keys = ("merged_weights", "merged_worst_share", "merged_max_abs_diff")
+        merged = {k: writer.checked.get(f"save_check_{k}") for k in keys}
+    return {
+        **{name: min(values) for name, values in found.items()},
+        **{k.replace("_", " "): v for k, v in merged.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,21 +143,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--run-evaluations", type=int, default=20)
     args = parser.parse_args(argv)
-    rows = []
-    for model in args.models:
-        step = step_seconds(model, args.steps, args.max_length)
-        torch.set_num_threads(1)  # rank 0 under torchrun (OMP_NUM_THREADS=1); the check may raise it for itself
-        with contextlib.redirect_stderr(open(os.devnull, "w")):
-            checked = save_seconds(model, "every", args.repeats)
-            plain = save_seconds(model, "off", args.repeats)
-        per_eval = checked["evaluation"] - plain["evaluation"]
-        end = checked["end"] - plain["end"]
-        between = args.eval_every * step
-        run = args.run_evaluations * between
-        rows.append((model, step, plain["evaluation"], checked["evaluation"], per_eval, end, between, run))
-        if checked["merged bound"] is not None:
-            diff, bound = checked["merged max_abs_diff"], checked["merged bound"]
-            print(f"{model}: the merged model at the end, max |Δlogit| {diff:.4g} of at most {bound:.4g}")
+    rows, threads = [], torch.get_num_threads()
+    try:
+        for model in args.models:
+            step = step_seconds(model, args.steps, args.max_length)
+            torch.set_num_threads(1)  # rank 0 under torchrun (OMP_NUM_THREADS=1); the check may raise it for itself
+            with contextlib.redirect_stderr(open(os.devnull, "w")):
+                checked = save_seconds(model, "every", args.repeats)
+                plain = save_seconds(model, "off", args.repeats)
+            per_eval = checked["evaluation"] - plain["evaluation"]
+            end = checked["end"] - plain["end"]
+            between = args.eval_every * step
+            run = args.run_evaluations * between
+            rows.append((model, step, plain["evaluation"], checked["evaluation"], per_eval, end, between, run))
+            if checked["merged weights"] is not None:
+                print(
+                    f"{model}: the merged model at the end, {checked['merged weights']} adapted weights within "
+                    f"{checked['merged worst share']:.3g} of their bound; its logits "
+                    f"{checked['merged max abs diff']:.4g} from the training model's"
+                )
+    finally:
+        torch.set_num_threads(threads)  # called in-process (tests/e2e/test_bench.py): the caller's threads back
     print(
         f"| model | step s | an evaluation's saves, no check s | with the check s | the check s | the end's check s "
         f"| share per {args.eval_every} steps | share of a {args.run_evaluations}-evaluation run |"

@@ -29,7 +29,7 @@ class Device(str, Enum):
 class SaveCheckMode(str, Enum):
     every = "every"  # every save read back bit for bit; the plain peft/transformers round trip at the final save
     full = "full"  # the read-back and the round trip at every save
-    final = "final"  # the read-back and the round trip at the final save only
+    final = "final"  # the read-back and the round trip at the final save; the read-back of a save for best/
     off = "off"
 
 
@@ -125,12 +125,13 @@ class TrainerConfig:
     """Prove the saves load as trained, in two ways. The read-back: the files as written hold the live trainable
     tensors bit for bit, under canonical keys (an adapter: its adapter_config.json names the run's base and LoRA
     settings); a few hundredths of a second for an adapter. The round trip: plain peft loads the adapter onto its base
-    and computes the training model's logits on a probe batch, the merged model within the rounding of a merge (a full
-    fine-tune: plain transformers loads the model, every tensor bit for bit, tied head included); it loads the base
-    again, on all the host's cores. every: the read-back at every save, the round trip too at the final save
-    (adapter/, or the last checkpoint with trainer.save_final=false); full: both at every save (the base stays loaded
-    between checks where host memory allows); final: both at the final save only; off: none. best/ is a copy of a
-    checked checkpoint's files, verified byte for byte against its manifest, not checked again."""
+    and computes the training model's logits on a probe batch, and the merged model holds each adapted weight as the
+    merge must round it (a full fine-tune: plain transformers loads the model, every tensor bit for bit, tied head
+    included); it loads the base again. every: the read-back at every save, the round trip too at the final save
+    (adapter/; with trainer.save_final=false, the last step's checkpoint, which a run that saved any checkpoint then
+    saves too); full: both at every save (a GPU run keeps the base loaded on the host between checks where host
+    memory allows); final: both at the final save only, and the read-back of a save that becomes best/; off: none.
+    best/ is a copy of a read-back checkpoint's files, verified byte for byte against its manifest."""
     save_timeout_s: int = 3600
     """How long the other ranks wait for rank 0 to write a checkpoint or the final weights. They wait through the
     store, not in a collective, so a save may outlast parallel.timeout_s (tens of GB on network storage); a save
@@ -207,8 +208,8 @@ def _check_best(t: TrainerConfig) -> list[str]:
         )
     if t.save_check == SaveCheckMode.final and not t.save_final:
         problems.append(
-            "trainer.save_check=final checks the weights saved at the end, but trainer.save_final=false saves none: "
-            "set trainer.save_check=every (each checkpoint read back) or off."
+            "trainer.save_check=final checks the weights saved at the end, but trainer.save_final=false writes no "
+            "adapter/: set trainer.save_check=every (each checkpoint read back, the last one's round trip) or off."
         )
     if stopping.patience > 0 and t.eval_every_n_steps == 0:
         problems.append(

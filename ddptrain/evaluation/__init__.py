@@ -5,9 +5,9 @@
     samples    greedy completions of trainer.eval_prompts at every evaluation (no collective while generating)
     save_check which proof each save gets (trainer.save_check), and best/ as a verified copy
     readback   every save's files read back bit for bit against the live trainable tensors
-    peft_check an adapter's round trip through plain peft: logits, merged model (a bound from dtype and depth)
+    peft_check an adapter's round trip through plain peft: its logits, the merged model's weights (a rounding bound)
     full_check a full fine-tune's round trip through plain transformers, bit for bit, tied head included
-    host       the check's host: all its cores, room to keep the base, transformers' own classes (not Liger's)
+    host       the check's host: all its cores, room to keep a GPU run's base (Liger's classes: ddptrain.liger)
 
 The trainer calls them; each takes the values it needs as arguments (no config group is read here).
 """

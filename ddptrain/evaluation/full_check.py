@@ -12,7 +12,7 @@ tensor in the loaded model too, and no others do.
 Bit for bit, not logits within a tolerance (the LoRA round trip's way, ``peft_check``): the files are the weights,
 copied without arithmetic, so any difference is a defect. The copy loads on the host, one model at a time (the memory
 plan counts it on a CPU run: ``plan.budget.save_check_bytes``), on all of its cores and with transformers' own model
-classes (``host``); the training tensors move to the CPU one at a time.
+classes (``host.all_cores``, ``liger.unpatched``); the training tensors move to the CPU one at a time.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from ddptrain.checkpoint_files import tied_groups
-from ddptrain.evaluation.host import all_cores, unpatched
-from ddptrain.evaluation.readback import SaveCheckError, _few, same_bits
+from ddptrain.evaluation.host import all_cores
+from ddptrain.evaluation.readback import SaveCheckError, few_keys, same_bits
+from ddptrain.liger import unpatched
 
 log = logging.getLogger("ddptrain.checkpoint")
 
@@ -72,7 +73,7 @@ def load_plainly(folder: Path, shown: Path, dtype: torch.dtype) -> dict[str, tor
     model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, output_loading_info=True)
     problems = {name: sorted(map(str, keys)) for name, keys in info.items() if name.endswith("_keys") and keys}
     if problems:
-        found = "; ".join(f"{name.replace('_', ' ')} {_few(keys)}" for name, keys in problems.items())
+        found = "; ".join(f"{name.replace('_', ' ')} {few_keys(keys)}" for name, keys in problems.items())
         raise SaveCheckError(f"{shown}: AutoModelForCausalLM.from_pretrained loads it with {found}.")
     return model.state_dict()
 
@@ -89,7 +90,7 @@ def compare_loaded(loaded: dict[str, torch.Tensor], live: dict[str, torch.Tensor
     """
     if loaded.keys() != live.keys():
         odd = sorted(loaded.keys() ^ live.keys())
-        raise SaveCheckError(f"{shown} loads as another architecture: keys {_few(odd)} are in one model only.")
+        raise SaveCheckError(f"{shown} loads as another architecture: keys {few_keys(odd)} are in one model only.")
     for key, trained in live.items():
         if not same_bits(loaded[key], trained.detach().cpu()):
             raise SaveCheckError(

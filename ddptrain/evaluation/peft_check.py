@@ -2,29 +2,45 @@
 every save): it loads as a user would load it, with nothing of ddptrain on the load path, and computes what the
 training model computes.
 
-``AutoModelForCausalLM.from_pretrained(<the base in adapter_config.json>)`` then ``PeftModel.from_pretrained`` must
-compute the training model's logits on a fixed probe batch (a few training rows), and so must the model merged from
-it (``merge_and_unload``, what ``python -m ddptrain.export --merge`` saves). Logits are compared without autocast on
-the attended positions. The loaded adapter computes the same sums in the same order as the training model (the
-adapters load in fp32, as they train): ``LOAD_TOLERANCE``, measured 0. The merged model rounds each folded weight to
-the base's dtype: ``merged_bound`` follows from the dtype and the depth. A failure raises ``SaveCheckError`` naming
-the file and the difference. A diverged run (NaN or infinite logits in the training model itself) saves with a
-warning: its files must then give the same NaNs and infinities in the same places, and the finite logits within the
-bounds.
+- **The adapter.** ``AutoModelForCausalLM.from_pretrained(<the base in adapter_config.json>)`` then
+  ``PeftModel.from_pretrained`` must compute the training model's logits on a fixed probe batch (a few training rows),
+  compared without autocast on the attended positions. Both compute the same sums in the same order (the adapters
+  load in fp32, as they train): ``LOAD_TOLERANCE``, measured 0.
+- **The merged model** (``merge_and_unload``, what ``python -m ddptrain.export --merge`` writes) is checked weight by
+  weight: it holds no LoRA layer any more, and each adapted weight is the training model's ``W + scale * B @ A``
+  rounded to the base's dtype, element by element within ``merge_error``'s bound (derived there from the dtype and
+  the rank; the depth does not enter). A merge that lost the adapter, or one layer's, is refused wherever the dtype
+  can hold any of it: where an element of ``scale * B @ A`` exceeds about one unit in the last place of the base's
+  weight (below that, the right merge is the base's weight too).
+- **The merged model's logits** are measured and recorded, not bounded (their NaNs and infinities must be the
+  training model's). A bf16 network computed another way (the adapter folded into the weight, rather than added after
+  the base's rounded product) moves its logits, through the layers, by as much as a small adapter does: on 8
+  random-init bf16 layers of the bundled model, 3.5% to 5.6% of the largest logit whatever the adapter's size, for
+  adapters that move them 4.7% to 77% (measured on this project's CPU). No bound on the logits both passes every
+  right merge and refuses every lost one there: not the former heuristic ``2 * (layers + 1) * (eps + sqrt(width) *
+  eps_fp32)`` of the largest logit (14% at 8 bf16 layers, 45% at Qwen2.5-7B's 28), which passes a merge that
+  dropped a 4.7% adapter, nor "closer to the training model than half the bare base is", which refuses that
+  adapter's right merge (3.5% against 2.4%).
 
-The check runs on every core of the host (``host.all_cores``: torchrun leaves each process one thread) and with
-transformers' own model classes (``host.unpatched``: Liger's kernels, patched into the model family for training,
-fail on the host's tensors). Its copy of the base loads onto rank 0's device, or onto the host for a GPU run (the
-device has no room for a second base; the training model is then mirrored there), in the run's ``model.dtype``.
-With ``keep_base`` it stays loaded for the next check while ``MemAvailable`` leaves room for it twice over
-(``KEEP_BASE_ROOM``); the merge writes into its weights, so they are copied first and put back after.
+A failure raises ``SaveCheckError`` naming the file and the difference. A diverged run (NaN or infinite logits in the
+training model itself) saves with a warning: its files must then give the same NaNs and infinities in the same places,
+and the finite logits and weights within the bounds.
+
+The check runs on every core of the host (``host.all_cores``) and with transformers' own model classes
+(``liger.unpatched``: Liger's kernels, patched into the model family for training, fail on the host's tensors). Its
+copy of the base loads onto rank 0's device, beside the training model, or onto the host for a GPU run (the device has
+no room for a second base; the training model is then mirrored there), in the run's ``model.dtype``. A GPU run with
+``trainer.save_check=full`` (``keep_base``) keeps that host copy for the next check while ``MemAvailable`` leaves room
+for it (``KEEP_BASE_ROOM``): after the merge each adapted weight gets the training model's back, and the next check
+compares every weight with the training model's before it uses the copy; a check that fails lets it go. A CPU run
+never keeps it: there it would sit on the training device through every later step, where the memory plan counts it
+only while the check runs.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,47 +49,111 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddptrain.evaluation.host import all_cores, mem_available_bytes, unpatched
-from ddptrain.evaluation.readback import ADAPTER_CONFIG, ADAPTER_FILE, SaveCheckError, recorded_base
+from ddptrain.evaluation.host import all_cores, mem_available_bytes
+from ddptrain.evaluation.readback import ADAPTER_CONFIG, ADAPTER_FILE, SaveCheckError, few_keys, recorded_base
+from ddptrain.liger import unpatched
 
 log = logging.getLogger("ddptrain.checkpoint")
 LOAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 """The adapter loaded onto its base against the training model, max |Δlogit|: both run the same sums in the same
 order (the adapters load in fp32 as they train), so any difference is a different model. fp32: 1e-5, absolute;
 bf16/fp16: 1e-3 times the largest |logit| (at least 1). Measured: 0 in both (bench/README.md)."""
-HEADROOM = 2.0
-"""Two computations are compared (the training model and the merged one): each carries its own rounding."""
 KEEP_BASE_ROOM = 2.0
-"""``keep_base`` keeps the copy of the base between checks while ``MemAvailable`` is at least this many times its
-bytes: room for the next check's copy of the weights the merge overwrites, and for everything else."""
+"""A GPU run's check keeps its host copy of the base between checks while ``MemAvailable`` is at least this many
+times the copy's bytes: as much again left for the rest of the host (data loading, the page cache the checkpoints are
+written through). A margin chosen, not derived: no host figure of a GPU run has been measured."""
+CHUNK_ELEMENTS = 1 << 22
+"""``merge_error`` works through a weight in blocks of rows of about this many elements (16 MiB in float32)."""
 
 
-def merged_bound(dtype: torch.dtype, layers: int, width: int) -> float:
-    """The largest |Δlogit| allowed between the merged model and the training model, as a share of the largest |logit|
-    (at least 1): ``HEADROOM * (layers + 1) * (eps(dtype) + sqrt(width) * eps(float32))``.
+def merge_error(
+    merged: torch.Tensor, weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float
+) -> float:
+    """How far a merged weight is from ``weight + scale * left @ right``, as the largest share of its bound, element by
+    element: at most 1 for a right merge (NaN and infinity must sit where the exact sum has them).
 
-    Derivation. Merging folds ``scale * B @ A`` into each adapted weight and rounds the sum to the base's dtype once:
-    a relative error of at most u = eps/2 per weight (2^-8 in bf16, 2^-11 in fp16, 2^-24 in fp32), which moves each
-    projection's output by at most u of its size; the output is rounded to the dtype in both models, at other points
-    (the training model rounds the base's product, then the sum with the fp32 adapter; the merged model its one
-    product): another u. So each decoder layer may add up to 2u = eps of relative error to the residual stream, and
-    its sums run in another order (the adapter's product added apart or folded in: ``sqrt(width)`` units of fp32's
-    eps, the accumulation dtype, for ``width`` terms; ``tests/numerics.py``). The residual stream carries each layer's
-    error to the end with unit gain (pre-norm layers add to it), and in the worst case they add up in the same
-    direction: ``layers`` of them, one more for the final norm and the head, ``HEADROOM`` for the two models.
-    Measured with the check's probe on random-init copies of the bundled model (1 to 24 layers, every linear or q and
-    v adapted): 32-40% of the bound in bf16 at 1-8 layers, 18% at 24; 23-44% in fp16; 3-19% in fp32 (the errors add
-    more like a random walk than in the worst case). The former fixed bound, 5% of the largest logit in bf16, refuses
-    the healthy 8-layer merge (5.6%). Qwen2.5-7B in bf16 (28 layers): 45% of the largest logit, where a merge that
-    lost the adapter moves the logits by the adapter's whole effect.
+    ``left @ right`` is the adapter's ``B @ A`` (transposed: ``A.T @ B.T``, for ``fan_in_fan_out`` and embeddings).
+    With ``x = W + Δ`` the exact sum and ``Δ = scale * B @ A``, the bound is
+
+        ``u_d * (max(|x|, |merged|) + 2|Δ| + tiny_d) + 4 u_a * (|x| + |Δ| + r * scale * |B| @ |A|)``
+
+    where ``u_d`` is the unit roundoff of the merged weight's dtype (2^-8 bf16, 2^-11 fp16, 2^-24 fp32), ``tiny_d`` its
+    smallest normal, ``r`` the rank, and ``u_a`` the unit roundoff of the adapter's arithmetic: fp32's (ddptrain's
+    adapters train and load in fp32; peft multiplies bf16 or fp16 factors in fp32 on the host), or the factors' dtype's
+    where coarser (peft multiplies them in it on a GPU).
+
+    Derivation. peft's merge computes ``P = fl(B @ A)`` (a sum of ``r`` products: ``|P - BA| <= r u_a |B||A|`` to
+    first order, Higham's bound), ``D = fl(P * scale)`` (one more ``u_a |D|``) and ``W += D``: the sum rounded in the
+    adapter's precision (``u_a |x|``), then to the dtype: at most half an ulp, and half an ulp of a value ``v`` is at
+    most ``u_d |v|`` for a normal ``v`` (``u_d * tiny_d`` below that). A merge that rounds ``D`` to the dtype first
+    (``safe_merge``) adds at most an ulp of ``|Δ|``: the ``2|Δ|``. The ``u_a`` terms are counted four times over, a
+    margin for second-order terms and for this check's own arithmetic. In a bf16 or fp16 base ``u_a`` (fp32's) is 2^16
+    or 2^13 times below ``u_d``, so those terms matter only where the sum cancels; in an fp32 base the bound is about
+    ``5 u_d |x|``.
+
+    Cost: the check merges the same factors itself, as peft does (the product in fp32, scaled, added to ``W`` in fp32,
+    rounded once), block by block on the host; an element whose bits equal that merge meets the bound by the
+    derivation above (it is one such rounding of ``x``), and only the elements that differ (none, when peft merges as
+    it does today) are measured against the bound, ``x`` in float64. Qwen2.5-0.5B's 168 adapted weights: 0.5 s on
+    one thread of this project's CPU, against 2 s for loading the adapter and 1.2 s for each forward of the probe.
+
+    Nothing depends on the depth of the model. A merge that dropped ``Δ`` (``merged == W``) is off by ``|Δ|``: refused
+    wherever ``|Δ|`` exceeds about ``u_d |W|`` (a right merge differs from ``W`` once ``|Δ|`` passes half an ulp of
+    ``W``: between ``u_d |W| / 2`` and ``u_d |W|``).
 
     Args:
-        dtype: the base's dtype (``model.dtype``).
-        layers: decoder layers holding adapted projections (``num_hidden_layers``).
-        width: the widest input of an adapted projection (``intermediate_size`` for the MLP's down projection).
+        merged: the merged model's weight.
+        weight: the training model's base weight ``W``.
+        left, right: the adapter's factors (``B`` and ``A``, or ``A.T`` and ``B.T``).
+        scale: the adapter's scaling (``lora_alpha / r``, or rsLoRA's).
     """
-    per_layer = torch.finfo(dtype).eps + math.sqrt(width) * torch.finfo(torch.float32).eps
-    return HEADROOM * (layers + 1) * per_layer
+    arith = torch.float32 if left.dtype in (torch.bfloat16, torch.float16) else left.dtype  # peft's, on the host
+    u_a = max(torch.finfo(left.dtype).eps, torch.finfo(arith).eps) / 2  # on a GPU peft multiplies in the factors' dtype
+    left, right, worst = left.detach().to("cpu", arith), right.detach().to("cpu", arith), 0.0
+    rows = max(1, CHUNK_ELEMENTS // max(1, right.shape[1]))
+    as_bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[merged.element_size()]
+    for i in range(0, left.shape[0], rows):
+        got = merged[i : i + rows].detach().to("cpu")
+        ours = (left[i : i + rows] @ right).mul_(scale)  # the merge as peft computes it: where its bits are ours, done
+        ours += weight[i : i + rows].detach().to("cpu")
+        differ = ours.to(merged.dtype).view(as_bits) != got.view(as_bits)
+        if differ.any():
+            off = differ.nonzero()
+            rows_off, cols = off[:, 0] + i, off[:, 1]
+            base = weight.detach()[rows_off.to(weight.device), cols.to(weight.device)]
+            worst = max(worst, _share(got[off[:, 0], cols], base, left[rows_off], right[:, cols].T, scale, u_a))
+    return worst
+
+
+def _share(
+    got: torch.Tensor, weight: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float, u_a: float
+) -> float:
+    """``merge_error``'s largest share of its bound over some elements: ``got`` and ``weight`` theirs, ``left`` and
+    ``right`` the factors' rows that make each (``Δ_k = scale * left_k . right_k``), in float64."""
+    finfo = torch.finfo(got.dtype)
+    u_d, rank = finfo.eps / 2, left.shape[1]
+    lhs, rhs = left.double(), right.double()
+    delta, size = (lhs * rhs).sum(1) * scale, (lhs.abs() * rhs.abs()).sum(1) * abs(scale)
+    exact, got = weight.to("cpu", torch.float64) + delta, got.double()
+    bound = u_d * (torch.maximum(exact.abs(), got.abs()) + 2 * delta.abs() + finfo.tiny)
+    bound += 4 * u_a * (exact.abs() + delta.abs() + rank * size)
+    share = ((got - exact).abs() / bound).nan_to_num(nan=torch.inf)
+    same = (got == exact) | (got.isnan() & exact.isnan())
+    return float(torch.where(torch.isfinite(exact), share, torch.where(same, 0.0, torch.inf)).max())
+
+
+def lora_factors(layer: nn.Module, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(left, right)`` of a peft LoRA layer: ``scale * left @ right`` is what merging adds to its base weight."""
+    if adapter in layer.lora_A:
+        b, a = layer.lora_B[adapter].weight, layer.lora_A[adapter].weight
+        return (a.T, b.T) if layer.fan_in_fan_out else (b, a)
+    return layer.lora_embedding_A[adapter].T, layer.lora_embedding_B[adapter].T  # an embedding: (B @ A).T
+
+
+MERGE_ADVICE = (
+    "python -m ddptrain.export --merge would write another model than the one trained; the adapter itself loads as "
+    "trained. Export it without --merge, and report this with the versions of peft and transformers."
+)
 
 
 @dataclass(frozen=True)
@@ -107,8 +187,8 @@ class PeftRoundTrip:
             room for a second base). The training model is then mirrored there: its peft config and its adapter
             tensors, in memory, on the loaded base, whose every weight must equal the one the run trains on; the
             loaded files are compared with that mirror.
-        keep_base: keep the copy of the base loaded for the next check, where host memory allows it (the check runs
-            at every save: ``trainer.save_check=full``).
+        keep_base: keep that host copy of the base for the next check, where host memory allows it (a GPU run with
+            ``trainer.save_check=full``); ignored without ``on_cpu``: a CPU run's copy would stay on its device.
     """
 
     def __init__(
@@ -120,10 +200,11 @@ class PeftRoundTrip:
         on_cpu: bool = False,
         keep_base: bool = False,
     ):
-        self.model, self.probe, self.dtype, self.on_cpu, self.keep_base = model, probe, dtype, on_cpu, keep_base
+        self.model, self.probe, self.dtype, self.on_cpu = model, probe, dtype, on_cpu
+        self.keep_base = keep_base and on_cpu
         self.attn = "sdpa" if on_cpu and attn_implementation == "flash_attention_2" else attn_implementation
         self.kept: tuple[str, nn.Module] | None = None
-        """The copy of the base kept from the last check, with the path it was loaded from."""
+        """The host copy of the base kept from the last check that passed, with the path it was loaded from."""
         self.base_loads = 0
         """How many times a check loaded the base (``from_pretrained``)."""
 
@@ -131,8 +212,9 @@ class PeftRoundTrip:
         """Check each ``(folder as written, folder as the user will find it)``; the second names the files in errors.
 
         Returns:
-            The record of the check: the folders, the largest logit difference of the adapter and of the merged
-            model, the merged model's bound (absolute), the threads it ran on, whether it found the base loaded.
+            The record of the check: the folders, the largest logit difference of the adapter, the merged model's
+            (measured), the adapted weights of the merged model compared and the largest
+            share of its bound any of them used, the threads it ran on, whether it found the base loaded.
 
         Raises:
             SaveCheckError: naming the file and what is wrong with it.
@@ -142,55 +224,52 @@ class PeftRoundTrip:
         return {**record, "save_check_threads": threads}
 
     def _check(self, folders: list[tuple[Path, Path]]) -> dict[str, Any]:
-        from peft import get_peft_model_state_dict
+        from peft import PeftModel, get_peft_model_state_dict
 
         live = get_peft_model_state_dict(self.model)
         recorded = recorded_base(*folders[0])
-        base, was_kept = self._base(recorded)
+        base, was_kept = self._base(recorded)  # self.kept is None until this check passes
         if self.on_cpu:
             self._check_same_base(base, recorded, folders[0][1])
             reference = self._mirror_logits(base, live)
         else:
             reference = self._logits(self.model)
         self._warn_if_diverged(reference)
-        worst, merged_diff, bound = 0.0, 0.0, 0.0
         keep = self.keep_base and self._room_to_keep(base)
+        worst, merged = 0.0, {}
         for k, (folder, shown) in enumerate(folders):
-            from peft import PeftModel
-
             loaded = PeftModel.from_pretrained(base, str(folder))
-            worst = max(worst, self._compare(self._logits(loaded), reference, shown, merged=False)[0])
+            worst = max(worst, self._compare(self._logits(loaded), reference, shown, merged=False))
             if k < len(folders) - 1:
                 base = loaded.unload()  # the base as it was: the next folder loads onto it
             else:
-                merged_diff, bound, base = self._check_merged(loaded, reference, shown, keep)
+                merged, base = self._check_merged(loaded, reference, shown, restore=keep)
         self.kept = (recorded, base) if keep else None
         del base, loaded
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the copy of the base is gone: give its memory back before training goes on
         names = [str(shown) for _, shown in folders]
         log.info(
-            "save check: %s load in peft as trained (max |Δlogit| %.2g, merged %.2g of at most %.2g)%s",
+            "save check: %s load in peft as trained (max |Δlogit| %.2g); merged, %d adapted weights as the merge "
+            "rounds them (at most %.2g of the bound), its logits %.2g from the training model's%s",
             ", ".join(names),
             worst,
-            merged_diff,
-            bound,
+            merged["save_check_merged_weights"],
+            merged["save_check_merged_worst_share"],
+            merged["save_check_merged_max_abs_diff"],
             ", the base kept for the next check" if keep else "",
         )
-        return {
-            "save_check_round_trip": names,
-            "save_check_max_abs_diff": worst,
-            "save_check_merged_max_abs_diff": merged_diff,
-            "save_check_merged_bound": bound,
-            "save_check_base_kept": int(was_kept),
-        }
+        record = {"save_check_round_trip": names, "save_check_max_abs_diff": worst, **merged}
+        return {**record, "save_check_base_kept": int(was_kept)}
 
     def _base(self, recorded: str) -> tuple[nn.Module, bool]:
-        """The copy of the base the adapter names: the one kept from the last check when it is that base, else
-        loaded now; and whether it was kept."""
-        if self.kept is not None and self.kept[0] == recorded:
-            return self.kept[1], True
-        self.kept = None  # another base: let the old copy go before the new one loads
+        """The copy of the base the adapter names, and whether it was kept from the last check (else it loads now).
+        Taking it clears ``kept``: a check that fails half-way (the adapter injected, the merge half done) must not
+        leave it for the next."""
+        kept, self.kept = self.kept, None
+        if kept is not None and kept[0] == recorded:
+            return kept[1], True
+        del kept  # another base: let the old copy go before the new one loads
         from transformers import AutoModelForCausalLM
 
         device = torch.device("cpu") if self.on_cpu else next(self.model.parameters()).device
@@ -205,22 +284,58 @@ class PeftRoundTrip:
         return available is not None and available >= KEEP_BASE_ROOM * held
 
     def _check_merged(
-        self, loaded: nn.Module, reference: torch.Tensor, shown: Path, keep: bool
-    ) -> tuple[float, float, nn.Module]:
-        """The merged model against the training model; returns the difference, the bound (absolute) and the base
-        (its own weights again when it is kept: the merge folds the adapter into them)."""
+        self, loaded: nn.Module, reference: torch.Tensor, shown: Path, restore: bool
+    ) -> tuple[dict[str, Any], nn.Module]:
+        """Merge the loaded adapter (``merge_and_unload``), check its weights and measure its logits; returns the
+        record and the base (with ``restore``, its own weights again: the merge wrote into them).
+
+        Raises:
+            SaveCheckError: a LoRA layer left in the merged model, an adapted weight that is not its merge, or
+                non-finite logits where the training model's are finite (or the other way round).
+        """
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        merged = loaded.merge_and_unload()
+        left = [name for name, m in merged.named_modules() if isinstance(m, BaseTunerLayer)]
+        if left:
+            raise SaveCheckError(
+                f"{shown / ADAPTER_FILE}: merged into its base with plain peft (merge_and_unload), the model still "
+                f"holds LoRA layers ({few_keys(left)}). {MERGE_ADVICE}"
+            )
+        compared, worst = self._check_merged_weights(merged, shown, restore)
+        drift = self._compare(self._logits(merged), reference, shown, merged=True)
+        record = {
+            "save_check_merged_weights": compared,
+            "save_check_merged_worst_share": worst,
+            "save_check_merged_max_abs_diff": drift,
+        }
+        return record, merged
+
+    def _check_merged_weights(self, merged: nn.Module, shown: Path, restore: bool) -> tuple[int, float]:
+        """Each weight the training model adapts, in the merged model, against the training model's ``W + scale * B
+        @ A`` (``merge_error``); with ``restore``, then set back to ``W``. Returns how many and the worst share."""
         from peft.tuners.lora import LoraLayer
 
-        layers = [m for m in loaded.modules() if isinstance(m, LoraLayer)]
-        width = max(m.in_features for m in layers)
-        saved = [(m.get_base_layer(), m.get_base_layer().weight.detach().clone()) for m in layers] if keep else []
-        merged = loaded.merge_and_unload()
-        relative = merged_bound(self.dtype, merged.config.num_hidden_layers, width)
-        diff, bound = self._compare(self._logits(merged), reference, shown, merged=True, relative=relative)
-        with torch.no_grad():
-            for layer, weight in saved:
-                layer.weight.copy_(weight)
-        return diff, bound, merged
+        adapter, compared, worst = self.model.active_adapter, 0, 0.0
+        for name, layer in self.model.named_modules():
+            if not isinstance(layer, LoraLayer):
+                continue
+            assert not getattr(layer, "lora_variant", None), "a LoRA variant (DoRA) merges otherwise: not built here"
+            where = name.removeprefix("base_model.model.")
+            target = merged.get_submodule(where).weight
+            weight = layer.get_base_layer().weight
+            share = merge_error(target, weight, *lora_factors(layer, adapter), layer.scaling[adapter])
+            if not share <= 1.0:
+                raise SaveCheckError(
+                    f"{shown / ADAPTER_FILE}: merged into its base with plain peft (merge_and_unload), {where}.weight "
+                    f"is not the training model's W + scale * B @ A rounded to {target.dtype}: it is off by "
+                    f"{share:.3g} times the most that merging may round it (peft_check.merge_error). {MERGE_ADVICE}"
+                )
+            compared, worst = compared + 1, max(worst, share)
+            if restore:
+                with torch.no_grad():
+                    target.copy_(weight)
+        return compared, worst
 
     def _warn_if_diverged(self, reference: torch.Tensor) -> None:
         """Training went on past NaN or infinite weights: the check still proves the files hold what the model holds
@@ -279,12 +394,11 @@ class PeftRoundTrip:
         model.train(was_training)
         return out.logits.float()
 
-    def _compare(
-        self, got: torch.Tensor, reference: torch.Tensor, shown: Path, merged: bool, relative: float = 0.0
-    ) -> tuple[float, float]:
-        """The largest |Δlogit| where the training model's logits are finite, and its bound (the merged model's:
-        ``relative`` times the largest |logit|); where they are not (a diverged run), the loaded model must give the
-        same NaN or infinity there: a NaN minus a NaN is no proof of a wrong adapter."""
+    def _compare(self, got: torch.Tensor, reference: torch.Tensor, shown: Path, merged: bool) -> float:
+        """The largest |Δlogit| where the training model's logits are finite; where they are not (a diverged run), the
+        loaded model must give the same NaN or infinity there: a NaN minus a NaN is no proof of a wrong adapter. The
+        adapter must be within ``LOAD_TOLERANCE``; the merged model's difference is measured (its weights are what
+        ``_check_merged_weights`` proves)."""
         attended = self.probe.attention_mask.to(reference.device).bool()
         got, reference = got[attended], reference[attended]
         finite = torch.isfinite(reference)
@@ -294,27 +408,19 @@ class PeftRoundTrip:
             raise SaveCheckError(
                 f"{shown / ADAPTER_FILE}: {how} with plain peft, it computes other logits than the training model: "
                 "NaN or infinite where the training model's are not, or the other way round, on the probe batch. "
-                "The saved adapter is not the trained one."
+                + (MERGE_ADVICE if merged else "The saved adapter is not the trained one.")
             )
         if not finite.any():
-            return 0.0, 0.0
+            return 0.0
         diff = float((got[finite] - reference[finite]).abs().max())
-        scale = max(1.0, float(reference[finite].abs().max()))
         if merged:
-            bound = relative * scale
-        else:
-            bound = LOAD_TOLERANCE[self.dtype] * (1.0 if self.dtype == torch.float32 else scale)
+            return diff
+        scale = max(1.0, float(reference[finite].abs().max()))
+        bound = LOAD_TOLERANCE[self.dtype] * (1.0 if self.dtype == torch.float32 else scale)
         if not diff <= bound:
-            what = f"the bound of a merge in {self.dtype} (peft_check.merged_bound)" if merged else "the bound"
             raise SaveCheckError(
                 f"{shown / ADAPTER_FILE}: {how} with plain peft, it computes other logits than the training model: "
-                f"max |difference| {diff:.3g} on the probe batch, over {what} {bound:.3g} ({self.dtype}). "
-                + (
-                    "python -m ddptrain.export --merge would write another model than the one trained; the adapter "
-                    "itself loads as trained. Export it without --merge, and report this with the versions of peft "
-                    "and transformers."
-                    if merged
-                    else "The saved adapter is not the trained one."
-                )
+                f"max |difference| {diff:.3g} on the probe batch, over the bound {bound:.3g} ({self.dtype}). The saved "
+                "adapter is not the trained one."
             )
-        return diff, bound
+        return diff

@@ -158,20 +158,20 @@ def check_keys(folder: Path, shown: Path, live: dict[str, torch.Tensor]) -> None
         wrapped = sorted(k for k in keys if k.startswith(KNOWN_PREFIXES))
         if wrapped:
             raise SaveCheckError(
-                f"{shown / ADAPTER_FILE}: {len(wrapped)} key(s) carry a wrapper's prefix ({_few(wrapped)}): peft "
+                f"{shown / ADAPTER_FILE}: {len(wrapped)} key(s) carry a wrapper's prefix ({few_keys(wrapped)}): peft "
                 "would load none of them and warn only. Save the unwrapped model (no DDP, no torch.compile)."
             )
         missing, extra = sorted(live.keys() - keys), sorted(keys - live.keys())
         if missing or extra:
             raise SaveCheckError(
                 f"{shown / ADAPTER_FILE} does not hold the adapter peft saves for this model: missing "
-                f"{_few(missing)}; unexpected {_few(extra)}."
+                f"{few_keys(missing)}; unexpected {few_keys(extra)}."
             )
         zero = sorted(k for k in keys if "lora_B" in k and not f.get_tensor(k).any() and live[k].any())
     if zero:
         raise SaveCheckError(
             f"{shown / ADAPTER_FILE}: {len(zero)} lora_B weight(s) are all zero where the training model's are not "
-            f"({_few(zero)}): the adapter lost its weights (it would load and do nothing)."
+            f"({few_keys(zero)}): the adapter lost its weights (it would load and do nothing)."
         )
 
 
@@ -245,19 +245,20 @@ def check_full_keys(folder: Path, shown: Path, live: dict[str, torch.Tensor]) ->
     wrapped = sorted(k for k in keys if k.startswith(KNOWN_PREFIXES))
     if wrapped:
         raise SaveCheckError(
-            f"{shown}: {len(wrapped)} key(s) carry a wrapper's prefix ({_few(wrapped)}): transformers would load "
+            f"{shown}: {len(wrapped)} key(s) carry a wrapper's prefix ({few_keys(wrapped)}): transformers would load "
             "none of them. Save the unwrapped model (no DDP, no torch.compile)."
         )
     missing, extra = untied(live, sorted(live.keys() - keys), keys), sorted(keys - live.keys())
     if missing or extra:
         raise SaveCheckError(
-            f"{shown} does not hold this model's weights: missing {_few(missing)} (and tied to no saved key); "
-            f"unexpected {_few(extra)}."
+            f"{shown} does not hold this model's weights: missing {few_keys(missing)} (and tied to no saved key); "
+            f"unexpected {few_keys(extra)}."
         )
     return files
 
 
-def _few(keys: list[str]) -> str:
+def few_keys(keys: list[str]) -> str:
+    """The first three of ``keys`` and how many more, for an error message ("none" when there are none)."""
     if not keys:
         return "none"
     return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
