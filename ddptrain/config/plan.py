@@ -36,12 +36,15 @@ class PlanConfig:
     allocator_slack: float = 0.05
     """On a GPU, what torch's caching allocator reserves beyond the peak allocated (fragmentation), as a share of it;
     an estimate. On your node: ``max_memory_reserved / max_memory_allocated - 1`` of a run (report.json has both)."""
-    cpu_returns_freed_memory: Optional[bool] = None
-    """On a CPU rank that plans at start, hand every freed block of 64 KiB or more back to the system (glibc's
-    ``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_=65536`` does), so that the resident peak the report
-    measures is what the plan predicts: the resident set at start and the tensors. glibc otherwise keeps freed
-    blocks for reuse, 30-80% above the tensors' peak (bench/README.md); handing them back slows a step by about 20%
-    (measured on a 4-layer model, bench/README.md). null = on wherever a CPU run plans at start (plan.at_start)."""
+    cpu_returns_freed_memory: bool = False
+    """On a CPU run, hand every freed block of 64 KiB or more back to the system from the start of each rank
+    (glibc's ``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_=65536`` does: ``process.memory``), so that
+    the resident peak the report measures follows the tensors alive, the quantity the plan predicts. Off, glibc keeps
+    freed blocks for reuse, 30-80% above the tensors' peak where activations dominate (bench/README.md), and the
+    report says that its resident peak holds them. On, every step pays for the memory handed back and faulted in
+    again: about 25% slower on a 4-layer model of width 512, 1.5 to 2.4 times as long on the bundled tiny one, whose
+    steps are mostly allocation (bench/README.md). So never on unless asked: a run that plans at start keeps its
+    speed."""
     resident_baseline_gb: Optional[float] = None
     """On a CPU, GiB a rank's process holds besides the tensors the plan counts: the interpreter, the libraries and
     the tokenized data. The report measures the process's resident peak, which holds them; null = measured where

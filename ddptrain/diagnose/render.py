@@ -147,11 +147,22 @@ def _outside_table(s: dict) -> list[str]:
 
 
 def _predicted_text(s: dict) -> str:
-    """The memory plan's prediction beside the measured peak (runs that planned at start)."""
+    """The memory plan's prediction beside the measured peak (runs that planned at start), and what each holds: the
+    prediction the training step's peak, the measured peak the run's up to its last logged step."""
     if s.get("mem_predicted_gb") is None:
         return ""
     device = f" of {s['mem_plan_device_gb']:.1f}" if s.get("mem_plan_device_gb") else ""
-    return f" (predicted before the start: {s['mem_predicted_gb']:.2f} GiB{device}, `python -m ddptrain.plan`)"
+    kept = (
+        "; glibc's freed blocks kept for reuse too, which the plan leaves out (`plan.cpu_returns_freed_memory=true` "
+        "hands them back, steps slower)"
+        if s.get("mem_plan_freed_kept")
+        else ""
+    )
+    return (
+        f" (predicted before the start: {s['mem_predicted_gb']:.2f} GiB{device} for the training step, "
+        "`python -m ddptrain.plan`; the peak measured is the run's up to its last logged step, the weights' loading "
+        f"and any evaluation or save check before it included{kept})"
+    )
 
 
 def _warm_up_text(processes: int) -> str:

@@ -442,6 +442,8 @@ def _memory_summary(records: list[dict]) -> dict:
         "mem_peak_gb": _max(records, "mem_peak_gb"),
         "mem_predicted_gb": max(predicted) if predicted else None,
         "mem_plan_device_gb": _max(records, "mem_plan_device_gb"),
+        # CPU, plan.cpu_returns_freed_memory=false: glibc's freed blocks kept for reuse are in the peak, not the plan
+        "mem_plan_freed_kept": any(r.get("mem_plan_freed_kept") for r in records),
         "mem_total_gb": total,
         "alloc_retries": int(sum(retries)) if retries else None,
         # CUDA reports a device total; on CPU it is null and the peaks are the processes' resident memory.

@@ -8,8 +8,6 @@ is logged, and the trainer hands the per-rank predictions to the report, beside 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from ddptrain.plan.budget import GIB, RESIDENT_AT_START, MemoryPlan, planned_dev
 from ddptrain.plan.planner import make_plan
 from ddptrain.plan.render import render_plan
 from ddptrain.process import hangs
+from ddptrain.process.memory import return_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +39,20 @@ class Prediction:
     measured_gb: list[float] = dataclasses.field(default_factory=list)  # as the report measures it (as_measured)
     eval_gb: float | None = None
     device_gb: float | None = None
+    freed_kept: bool = False  # CPU: glibc keeps freed blocks (plan.cpu_returns_freed_memory=false), in the peak
 
     def as_record(self, step: int) -> dict[str, object]:
-        """The metrics record the report reads (``diagnose.runs``): per rank, the training step's peak as the report
-        measures it beside (``MemoryPlan.as_measured``: on a GPU as the allocator counts it, no CUDA context, NCCL
-        buffers or slack; on a CPU the resident peak, the resident set at start included); empty (nothing is logged)
-        when the run did not plan."""
+        """The metrics record the report reads (``diagnose.runs``): per rank, the training step's predicted peak in
+        the terms of the figure the report sets it beside (``MemoryPlan.as_measured``: on a GPU as the allocator
+        counts it, no CUDA context, NCCL buffers or slack; on a CPU a resident set, the resident set at start
+        included). That figure is the rank's peak up to its last logged step, so it also holds the weights' loading
+        and any evaluation or save check before that step (README, "Memory plan"). ``mem_plan_freed_kept``: glibc
+        kept freed blocks for reuse (plan.cpu_returns_freed_memory=false), which the measured resident peak holds and
+        the plan does not. Empty (nothing is logged) when the run did not plan."""
         if not self.train_gb:
             return {}
-        return {"step": step, "mem_predicted_gb_by_rank": self.measured_gb, "mem_plan_device_gb": self.device_gb}
+        record = {"step": step, "mem_predicted_gb_by_rank": self.measured_gb, "mem_plan_device_gb": self.device_gb}
+        return record | ({"mem_plan_freed_kept": True} if self.freed_kept else {})
 
 
 def wanted(cfg: RunConfig) -> bool:
@@ -66,41 +70,23 @@ def plan_at_start(cfg: RunConfig, data: TokenizedData, rank: int, world_size: in
         RunDoesNotFit: the fullest rank's predicted peak exceeds the device and plan.stop_if_no_fit is true; the
             message (one line) names the peak, the device, the levers that would make it fit and the override.
     """
+    cpu = planned_device(cfg) == "cpu"
+    returned = cpu and cfg.plan.cpu_returns_freed_memory and return_freed_memory()
+    if cpu and cfg.plan.cpu_returns_freed_memory and not returned:
+        log.warning(
+            "plan.cpu_returns_freed_memory=true: this C library has no glibc mallopt; the resident peaks the report "
+            "measures also hold the freed memory it keeps for reuse",
+            extra=RANK_ZERO_ONLY,
+        )
     if not wanted(cfg):
         return Prediction([])
-    if planned_device(cfg) == "cpu" and cfg.plan.cpu_returns_freed_memory is not False:
-        return_freed_memory()
     try:
-        return _plan_and_decide(cfg, data, rank, world_size)
+        return _plan_and_decide(cfg, data, rank, world_size, freed_kept=cpu and not returned)
     finally:
         hangs.board.enter("build_model")  # what the trainer does next: weights load (a hang report names it)
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD_BYTES = 65536
-
-
-def return_freed_memory() -> bool:
-    """From now on every block of 64 KiB or more this process allocates is mmapped, and unmapped when freed (glibc's
-    ``mallopt``, as ``MALLOC_MMAP_THRESHOLD_=65536`` sets it at start): the resident set then follows what is alive,
-    the quantity the plan predicts (plan.cpu_returns_freed_memory). glibc's default keeps freed blocks for reuse and
-    raises its threshold as large blocks are freed. Returns whether it took effect (not on another C library: the
-    report's resident peak then holds what that library keeps, and the log says so)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        done = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-    except (OSError, AttributeError):  # no C library found, or one without mallopt (macOS)
-        done = False
-    if not done:
-        log.warning(
-            "plan.cpu_returns_freed_memory: this C library has no glibc mallopt; the report's resident peak will also "
-            "hold the memory it keeps for reuse, beyond the plan",
-            extra=RANK_ZERO_ONLY,
-        )
-    return done
-
-
-def _plan_and_decide(cfg: RunConfig, data: TokenizedData, rank: int, world_size: int) -> Prediction:
+def _plan_and_decide(cfg: RunConfig, data: TokenizedData, rank: int, world_size: int, freed_kept: bool) -> Prediction:
     hangs.board.enter("memory_plan")  # one gather of every rank's prediction
     # A GPU rank's limit is its own GPU's free memory: asking another GPU would put a CUDA context on it.
     gpus = [torch.cuda.current_device()] if planned_device(cfg) == "cuda" and torch.cuda.is_available() else None
@@ -117,6 +103,7 @@ def _plan_and_decide(cfg: RunConfig, data: TokenizedData, rank: int, world_size:
         measured_gb=[measured / GIB for _, measured, _ in gathered],
         eval_gb=mine.peak(mine.eval) / GIB if mine.eval else None,
         device_gb=None if mine.device_bytes is None else mine.device_bytes / GIB,
+        freed_kept=freed_kept,
     )
     worst = max([*peaks, mine.peak(mine.eval) if mine.eval else 0, mine.check_peak])
     if mine.device_bytes is None or worst <= mine.device_bytes:
@@ -124,6 +111,11 @@ def _plan_and_decide(cfg: RunConfig, data: TokenizedData, rank: int, world_size:
         # On a CPU the report sets the plan beside each process's resident peak: say what the plan holds of it.
         at_start = f"its rank's resident set at start (rank 0: {resident / GIB:.2f} GiB)" if resident else ""
         baseline = f"; resident peaks, each with {at_start}" if resident else ""
+        if freed_kept:
+            baseline += (
+                "; the measured peaks will also hold the freed memory glibc keeps for reuse "
+                "(plan.cpu_returns_freed_memory=true hands it back, steps slower)"
+            )
         log.info("memory plan: %s%s", _summary(prediction), baseline, extra=RANK_ZERO_ONLY)
         return prediction
     # The fullest rank plans itself whole (stopping: with the levers) and sends every rank the same words.
@@ -131,8 +123,10 @@ def _plan_and_decide(cfg: RunConfig, data: TokenizedData, rank: int, world_size:
     stop = cfg.plan.stop_if_no_fit
     words = None
     if rank == fullest:
-        full = make_plan(cfg, data, world_size, with_levers=stop, only_ranks={fullest})
-        full.device_bytes = mine.device_bytes
+        # Against the limit the verdict used (the least over the ranks), its own GPU alone asked again.
+        full = make_plan(
+            cfg, data, world_size, with_levers=stop, only_ranks={fullest}, gpus=gpus, limit=mine.device_bytes
+        )
         words = (render_plan(full, f"memory plan: {_summary(prediction)}"), _one_line(full) if stop else "")
     text, refusal = parallel.broadcast_object(words, src=fullest)
     if not stop:
@@ -161,7 +155,7 @@ def _one_line(plan: MemoryPlan) -> str:
     ]
     largest = plan.largest_on_data
     if largest and not largest.startswith("nothing") and evaluation <= plan.device_bytes:
-        fixes.append(f"{largest} (the largest that fits this data)")
+        fixes.append(f"{largest.split(' (')[0]} (the largest that fits this data)")
     if fixes:
         advice = "predicted to fit with " + "; or ".join(fixes[:3])
     else:

@@ -101,7 +101,8 @@ class CostliestRows:
     most-trained rows. ``n`` rows (random, length_grouped); as many such rows as ``n`` padded tokens hold
     (token_budget); packed, one row of up to ``n`` tokens filled with its most-trained rows, each one that still fits
     added (the packer fills a row the same way). ``most``: the training rows there are, the most rows one
-    micro-batch can have."""
+    micro-batch can have; ``whole``: the least ``n`` whose micro-batch is all of them (rows; padded tokens; tokens
+    packed), beyond which it stops growing."""
 
     def __init__(self, data: TokenizedData, spec: BatchingSpec):
         lengths = np.asarray(data.train["length"], dtype=np.int64)
@@ -111,6 +112,12 @@ class CostliestRows:
         self.most_trained = np.cumsum(self.trained)
         self.longest, self.shortest = int(lengths.max()), int(lengths.min())
         self.spec, self.most = spec, len(lengths)
+        if spec.mode is Batching.packed:
+            self.whole = int(lengths.sum())
+        elif spec.mode is Batching.token_budget:
+            self.whole = self.most * spec.cost([self.longest])
+        else:
+            self.whole = self.most
 
     def __call__(self, n: int) -> BatchShape:
         if self.spec.mode is Batching.packed:

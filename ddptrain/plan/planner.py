@@ -39,6 +39,8 @@ from ddptrain.plan.simulate import FakeModel
 
 log = logging.getLogger(__name__)
 
+ALL_ROWS = "all {rows} training rows of this data in one micro-batch: no larger setting changes it"
+
 
 def make_plan(
     cfg: RunConfig,
@@ -47,12 +49,14 @@ def make_plan(
     with_levers: bool = True,
     only_ranks: set[int] | None = None,
     gpus: list[int] | None = None,
+    limit: int | None = None,
 ) -> MemoryPlan:
     """Every rank's predicted peak for the run ``cfg`` on ``world_size`` ranks, with its data already tokenized
     (``only_ranks``: simulate these ranks' micro-batches alone, as each rank of a starting run does for itself;
-    ``gpus``: the GPUs whose free memory is the limit, a starting rank's own; None: every visible one). Call it
-    before any weight loads: on a CPU the process's resident set now is the plan's baseline
-    (``budget.resident_at_start``)."""
+    ``gpus``: the GPUs whose free memory is the limit, a starting rank's own; None: every visible one; ``limit``:
+    the bytes to fit instead, the verdict's, that the largest sizes and the levers are planned against: a starting
+    run's, the least over its ranks). Call it before any weight loads: on a CPU the process's resident set now is
+    the plan's baseline (``budget.resident_at_start``)."""
     device = planned_device(cfg)
     fixed = fixed_costs(cfg.plan, device, world_size)  # first: the resident set before the fake model is built
     config = architecture_config(cfg.model)
@@ -60,7 +64,8 @@ def make_plan(
     model = FakeModel(config, cfg.model, precision, compiled=cfg.trainer.compile)
     spec = build_batching_spec(cfg.data, world_size, cfg.optim.grad_accum_steps, cfg.trainer.seed)
     weights, trainable, gradients, optimizer = held_memory(model, cfg, world_size)
-    limit, source = device_limit(cfg.plan, device, gpus)
+    measured, source = device_limit(cfg.plan, device, gpus)
+    limit = measured if limit is None else limit
     plan = MemoryPlan(
         device=device,
         device_bytes=limit,
@@ -92,7 +97,9 @@ def largest_settings(
     """The largest batch setting that fits (``data.micro_batch_size`` for random and length_grouped, else
     ``data.max_tokens_per_batch``), twice: for the worst case any data could give (every row at data.max_length,
     every position trained), and for this data (``CostliestRows``: as wide as its longest row, as many positions
-    trained as its most-trained rows; at most every training row). (None, None) without a limit to fit."""
+    trained as its most-trained rows), searched up to the size that holds every training row of this data in one
+    micro-batch, beyond which nothing changes (``CostliestRows.whole``; tokens rounded up to data.max_length), and
+    labelled so when it fits. (None, None) without a limit to fit."""
     if plan.device_bytes is None:
         return None, None
     d = cfg.data
@@ -100,12 +107,15 @@ def largest_settings(
     key, unit = ("data.micro_batch_size", 1) if by_rows else ("data.max_tokens_per_batch", d.max_length)
     worst = largest_fitting(plan, model, worst_case_shape(d), unit)
     costliest = CostliestRows(data, spec)
-    on_data = largest_fitting(plan, model, costliest, unit, most=costliest.most if by_rows else None)
+    whole = -(-costliest.whole // unit) * unit
+    on_data = largest_fitting(plan, model, costliest, unit, most=whole)
     if worst is None:
         worst_words = "nothing fits: not even one row of data.max_length" if by_rows else "nothing fits"
     else:
         worst_words = f"{key}={worst}" + (f" at data.max_length={d.max_length}" if by_rows else "")
     data_words = "nothing fits: not even one row of this data's longest" if on_data is None else f"{key}={on_data}"
+    if on_data == whole:
+        data_words += f" ({ALL_ROWS.format(rows=costliest.most)})"
     return worst_words, data_words
 
 

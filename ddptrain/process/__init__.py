@@ -6,4 +6,5 @@
 - hangs: the hang watchdog: each rank's phase, stacks of a stuck rank, the report of a timed-out collective
 - forkserver: each rank (and each restart) a fork of one process that imported the libraries once
 - cpus: the cores this process may use (threads per rank, CPU pinning)
+- memory: what the C library does with freed memory (back to the system on request: plan.cpu_returns_freed_memory)
 """

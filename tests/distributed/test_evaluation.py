@@ -21,6 +21,7 @@ pytestmark = pytest.mark.dist
 
 PROMPTS = ["Reverse the order of these words.", "Sort 3, 1, 2.", "Spell the word 'ocean' letter by letter."]
 GIB = 1024**3
+PAGE = 4096  # VmHWM and ru_maxrss count pages (in KiB); the report carries GiB as a float
 
 
 def test_a_rank_generates_its_samples_while_the_other_rank_is_away(tmp_path) -> None:
@@ -82,12 +83,15 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
     what it keeps for backward) at least 30% of each rank's predicted peak. The training set is one micro-step of
     rows by design: data.batching=length_grouped sorts it, so one rank gets the 4 long rows and the other the 4
     short ones, and the two ranks' peaks differ by more than twice the tolerance (one prediction cannot pass for
-    both). Each rank's plan, made at start from the real data through the real sampler, predicts within 15% the
-    peak resident memory its step adds and the peak its evaluation adds (the costliest eval micro-batch, on the
-    rank it goes to), each measured with the peak reset right before; planning at start on a CPU, each rank hands
-    freed memory back to the system (plan.cpu_returns_freed_memory), so that its resident set follows what is
-    alive. The report the run writes sets each rank's plan beside its measured resident peak: on rank 0, whose step
-    is most of its peak, and on rank 1, they agree within 10%."""
+    both). Planning at start on a CPU with plan.cpu_returns_freed_memory=true, each rank hands freed memory back to
+    the system, so that its resident set follows what is alive.
+
+    The report the run writes sets each rank's plan beside its measured resident peak, which is the whole run's up
+    to the step's log window (weights loaded, LoRA, DDP, the step: nothing resets it before), and they agree within
+    10%: on rank 0, whose step is most of its peak, and on rank 1. Each rank's plan, made at start from the real data
+    through the real sampler, predicts within 15% the peak resident memory its step adds (the step sets the run's
+    new high, so the peak after it is the step's own) and the peak its evaluation adds (the costliest eval
+    micro-batch, on the rank it goes to; measured with the peak reset right before, after the step's window)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     halves = [LONG] * MICRO_BATCH + [SHORT] * MICRO_BATCH
@@ -108,11 +112,33 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
             "trainer.save_final=false",
             "trainer.progress_bar=false",
             "plan.at_start=true",
+            "plan.cpu_returns_freed_memory=true",  # the resident set follows the tensors alive, as planned
             f"trainer.output_dir={tmp_path}",
         ]
     )
     launch(cfg, run_dir, entrypoint=train_a_step_measuring_its_memory)
     measured = [json.loads((run_dir / f"memory-rank{rank}.json").read_text()) for rank in (0, 1)]
+    # The report: each rank's plan beside the resident peak it measured, the same quantity on both sides. That peak
+    # (ru_maxrss at the step's log window) is the run's: at least the peak before the step (loading, LoRA, DDP), at
+    # most the peak read after the window, before the evaluation's reset (a page of rounding either side).
+    by_rank = json.loads((run_dir / "report.json").read_text())["by_rank"]
+    step = measured[0]["planned_activations"] + measured[0]["planned_transient"]
+    assert step >= 0.5 * by_rank[0]["mem_predicted_gb"] * GIB, "rank 0's step must be most of its planned peak"
+    for rank, (row, m) in enumerate(zip(by_rank, measured, strict=True)):
+        reported = row["mem_peak_gb"] * GIB
+        assert m["peak_before_step"] - PAGE <= reported <= m["peak_before_eval"] + PAGE, (
+            f"rank {rank}: the report's peak {reported / GIB:.3f} GiB is not the run's: "
+            f"{m['peak_before_step'] / GIB:.3f} GiB before the step, {m['peak_before_eval'] / GIB:.3f} after it"
+        )
+        error = abs(row["mem_predicted_gb"] - row["mem_peak_gb"]) / row["mem_peak_gb"]
+        print(f"rank {rank}: the report sets {row['mem_predicted_gb']:.3f} GiB planned beside {row['mem_peak_gb']:.3f}")
+        assert error <= REPORTED_TOLERANCE, (
+            f"rank {rank}: the report sets the plan's {row['mem_predicted_gb']:.3f} GiB beside a measured "
+            f"{row['mem_peak_gb']:.3f} GiB ({error:.0%} apart)"
+        )
+    # The step: without a reset before it, the peak after it is its own where it set the run's new high.
+    for rank, m in enumerate(measured):
+        assert m["peak_after_step"] > m["peak_before_step"], f"rank {rank}: the step is not the run's peak so far"
     predicted = [m["predicted_allocated"] - m["weights"] for m in measured]  # the weights were there before
     # Transients of 30% or more: a plan that left them out would miss each rank's peak by over twice the tolerance.
     for rank, m in enumerate(measured):
@@ -141,14 +167,3 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
         f"predicted {predicted_eval / GIB:.3f} GiB for evaluation, it added {costliest / GIB:.3f} GiB"
     )
     assert all(m["eval_increase"] <= (1 + TOLERANCE) * predicted_eval for m in measured)
-    # The report: each rank's plan beside the resident peak it measured, the same quantity on both sides.
-    by_rank = json.loads((run_dir / "report.json").read_text())["by_rank"]
-    step = measured[0]["planned_activations"] + measured[0]["planned_transient"]
-    assert step >= 0.5 * by_rank[0]["mem_predicted_gb"] * GIB, "rank 0's step must be most of its planned peak"
-    for rank, row in enumerate(by_rank):
-        error = abs(row["mem_predicted_gb"] - row["mem_peak_gb"]) / row["mem_peak_gb"]
-        print(f"rank {rank}: the report sets {row['mem_predicted_gb']:.3f} GiB planned beside {row['mem_peak_gb']:.3f}")
-        assert error <= REPORTED_TOLERANCE, (
-            f"rank {rank}: the report sets the plan's {row['mem_predicted_gb']:.3f} GiB beside a measured "
-            f"{row['mem_peak_gb']:.3f} GiB ({error:.0%} apart)"
-        )

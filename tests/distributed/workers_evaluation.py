@@ -4,8 +4,6 @@ collective, and one real step whose peak memory each rank measures against the m
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import gc
 import json
 import resource
@@ -17,6 +15,7 @@ from ddptrain.config import RunConfig
 from ddptrain.evaluation.samples import build_samples
 from ddptrain.model import build_model, build_tokenizer
 from ddptrain.observe.console import setup_logging
+from ddptrain.process.memory import return_freed_memory
 from ddptrain.trainer import Trainer
 
 LATE_S = 5.0
@@ -65,26 +64,25 @@ def peak_resident_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-
-
 def hand_freed_memory_back() -> None:
-    """Every block of 64 KiB or more is mmapped, and unmapped when freed (glibc's ``mallopt``, as
-    ``MALLOC_MMAP_THRESHOLD_=65536`` sets it at start): the resident set then follows what is alive. glibc's default
-    keeps freed blocks for reuse, raising its threshold as large blocks are freed (30-100% above, bench/README.md)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if libc.mallopt(M_MMAP_THRESHOLD, 65536) != 1:
+    """Every block of 64 KiB or more goes back to the system when freed (``process.memory.return_freed_memory``, the
+    product's plan.cpu_returns_freed_memory): the resident set then follows what is alive."""
+    if not return_freed_memory():
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: not glibc?")
 
 
 def train_a_step_measuring_its_memory(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
-    """The real Trainer, planned at start (plan.at_start=true: on a CPU the product then hands freed memory back, so
-    that the resident set follows what is alive), trains one step and evaluates; around each, every rank resets its
-    peak resident set (``clear_refs`` 5) and reads what it added. Writes ``memory-rank{N}.json``: the increases, the
-    eval tokens this rank ran, the plan's predictions for this rank (training as the allocator counts it, and
-    evaluation), what the plan says of its step (the activations kept for backward, the transients on top, the
-    resident set at start) and the weights' bytes, counted on the real model. Then the trainer closes as a run does:
-    rank 0 writes report.json, which sets each rank's plan beside its measured resident peak."""
+    """The real Trainer, planned at start (plan.at_start=true, plan.cpu_returns_freed_memory=true: the product hands
+    freed memory back, so that the resident set follows what is alive), trains one step and evaluates. The step is
+    measured without resetting the peak resident set, so that the report's figure (the process's resident peak at
+    the step's log window) stays the whole run's: VmHWM before the step (the run so far: loading, LoRA, DDP) and after
+    it, which is the step's own peak where the step set a new high (the test checks it did). The evaluation, after
+    the step's window is logged, is measured with the peak reset right before (``clear_refs`` 5), VmHWM read first.
+    Writes ``memory-rank{N}.json``: those, the increases, the eval tokens this rank ran, the plan's predictions for
+    this rank (training as the allocator counts it, and evaluation), what the plan says of its step (the activations
+    kept for backward, the transients on top, the resident set at start) and the weights' bytes, counted on the real
+    model. Then the trainer closes as a run does: rank 0 writes report.json, which sets each rank's plan beside its
+    measured resident peak."""
     from ddptrain.plan import at_start
     from ddptrain.plan.budget import RESIDENT_AT_START
 
@@ -97,13 +95,16 @@ def train_a_step_measuring_its_memory(cfg: RunConfig, run_dir: str, store_port: 
         trainer = Trainer(cfg, env, Path(run_dir))
         measured: dict[str, int] = {}
 
-        def measuring(name: str, call):
+        def measuring(name: str, call, reset: bool):
             def measured_call(*args, **kwargs):
                 gc.collect()
-                Path("/proc/self/clear_refs").write_text("5")
+                measured[f"peak_before_{name}"] = peak_resident_bytes()  # the run's peak so far
+                if reset:
+                    Path("/proc/self/clear_refs").write_text("5")
                 before = resident_bytes()
                 result = call(*args, **kwargs)
-                measured[f"{name}_increase"] = peak_resident_bytes() - before
+                measured[f"peak_after_{name}"] = peak_resident_bytes()
+                measured[f"{name}_increase"] = measured[f"peak_after_{name}"] - before
                 return result
 
             return measured_call
@@ -121,9 +122,9 @@ def train_a_step_measuring_its_memory(cfg: RunConfig, run_dir: str, store_port: 
                 measured["eval_padded"] += batch["input_ids"].numel()
                 yield batch
 
-        trainer.train_step = measuring("step", step)
+        trainer.train_step = measuring("step", step, reset=False)
         trainer.evaluate.eval_batches = eval_batches
-        trainer.evaluate = measuring("eval", trainer.evaluate)
+        trainer.evaluate = measuring("eval", trainer.evaluate, reset=True)
         trainer.fit()
         weights = sum(p.numel() * p.element_size() for p in trainer.loss_module.parameters())
         mine = plans[0]

@@ -119,7 +119,11 @@ def test_a_packed_row_under_flash_attention_2_is_planned_without_a_term_in_the_s
     the simulated step allocates (every op's output, forward and backward, as the simulation counts it) is as large
     as width x width, and planned at 4,096 and at 8,192 tokens the step's bytes kept and its peak grow linearly:
     twice the tokens take at most twice the bytes (a term in the square of the width would take four times its
-    share). The same row under SDPA does allocate a (width x width) mask, so the check can tell the two apart."""
+    share). The same row under SDPA does allocate a (width x width) mask, so the check can tell the two apart.
+    And flash keeps for backward what flash-attn's autograd function keeps, seen on the tensors the simulated
+    forward hands autograd to keep: in every layer its output (like the query: rows x width x heads x head dim, in
+    bf16) beside the query, the key and the value, and the log-sum-exp of each query row (rows x heads x width,
+    fp32). A simulation that allocated or kept nothing would pass the checks above and fail this one."""
     allocated: list[torch.Size] = []
     track = simulate.LiveBytes._track
 
@@ -127,16 +131,41 @@ def test_a_packed_row_under_flash_attention_2_is_planned_without_a_term_in_the_s
         allocated.append(t.shape)
         return track(live, t)
 
+    kept: dict[int, set[tuple[tuple[int, ...], torch.dtype]]] = {}  # storage -> the tensors kept on it
+    hooks = torch.autograd.graph.saved_tensors_hooks
+
+    def recording_hooks(pack, unpack):  # around the simulation's own counting (simulate._saved_bytes)
+        def recording_pack(t):
+            kept.setdefault(t.untyped_storage()._cdata, set()).add((tuple(t.shape), t.dtype))
+            return pack(t)
+
+        return hooks(recording_pack, unpack)
+
     monkeypatch.setattr(simulate.LiveBytes, "_track", recording)
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", recording_hooks)
     steps = {}
+    config = AutoConfig.from_pretrained(TINY_QWEN2)
     for attention in ("flash_attention_2", "sdpa"):
         cfg = ModelConfig(name_or_path=TINY_QWEN2, init="random", dtype="bf16", attn_implementation=attention)
         model = FakeModel(AutoConfig.from_pretrained(TINY_QWEN2), cfg, DType.bf16)
         for width in (PACKED_WIDTH // 2, PACKED_WIDTH):
             allocated.clear()
+            kept.clear()
             steps[attention, width] = model.step(BatchShape(1, width, width // 2, padded=False, packed=True))
         squares = [shape for shape in allocated if shape.numel() >= PACKED_WIDTH**2]
         assert bool(squares) == (attention == "sdpa"), f"{attention}: tensors of width x width or more: {squares}"
+        if attention == "flash_attention_2":  # the step at PACKED_WIDTH: what it kept, storage by storage
+            heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+            head_dim = config.hidden_size // heads
+            layers = config.num_hidden_layers  # the tiny model has 2: simulated whole, each layer once
+
+            def storages(shape, dtype) -> int:
+                return sum((shape, dtype) in tensors for tensors in kept.values())
+
+            width = PACKED_WIDTH
+            assert storages((1, heads, width), torch.float32) == layers, "a log-sum-exp per layer, fp32"
+            assert storages((1, width, heads, head_dim), torch.bfloat16) >= 2 * layers, "output and query per layer"
+            assert storages((1, width, kv_heads, head_dim), torch.bfloat16) >= 2 * layers, "key and value per layer"
     half, whole = steps["flash_attention_2", PACKED_WIDTH // 2], steps["flash_attention_2", PACKED_WIDTH]
     assert whole.saved <= 2 * half.saved and whole.peak <= 2 * half.peak, (half, whole)
     sdpa_half, sdpa_whole = steps["sdpa", PACKED_WIDTH // 2], steps["sdpa", PACKED_WIDTH]
@@ -225,6 +254,46 @@ def test_the_command_says_whether_the_run_fits_and_what_would_make_it(capsys, da
     assert "fits: predicted peak" in capsys.readouterr().out
     assert main([*common, "plan.device_memory_gb=-1"]) == 2
     assert "plan.device_memory_gb=-1.0 must be positive" in capsys.readouterr().err
+
+
+def test_the_largest_that_fits_this_data_stops_where_one_micro_batch_holds_all_of_it(datasets_cache) -> None:
+    """token_budget and packed: the bundled data's first 30 rows at data.max_length=256 (28 with something to train
+    on), on a device that holds them all in one micro-batch with room (0.3 GiB, the tensors alone; the worst case
+    fits over 1.5 times their tokens). The largest data.max_tokens_per_batch that fits this data is the least that
+    puts every training row in one micro-batch, and says so, not a size the search doubled to once the micro-batch
+    stopped growing: a multiple of data.max_length (the search's step) whose budget the run's own batch plan
+    (``data.plan.plan_epoch``) fills with every row in one micro-batch, where one data.max_length less takes two.
+    (random and length_grouped stop at every row as they did, data.micro_batch_size=28, labelled the same way.)"""
+    from ddptrain.data.plan import plan_epoch
+    from ddptrain.plan.planner import ALL_ROWS
+
+    for batching in ("token_budget", "packed"):
+        cfg = compose_config(
+            [
+                "parallel=single",
+                "data.max_rows=30",
+                "data.max_length=256",
+                "data.eval_fraction=0",
+                f"data.batching={batching}",
+                "plan.device_memory_gb=0.3",
+                "plan.resident_baseline_gb=0",
+                f"data.cache_dir={datasets_cache}",
+            ]
+        )
+        data = build_datasets(cfg.data, build_tokenizer(cfg.model), cfg.trainer.seed)
+        rows, lengths = len(data.train), data.train["length"]
+        plan = make_plan(cfg, data, world_size=1)
+        label = re.escape(f" ({ALL_ROWS.format(rows=rows)})")
+        named = re.fullmatch(rf"data\.max_tokens_per_batch=(\d+){label}", plan.largest_on_data or "")
+        assert named, f"{batching}: {plan.largest_on_data}"
+        budget = int(named.group(1))
+        assert budget % cfg.data.max_length == 0, budget
+        for tokens, micro_steps in ((budget, 1), (budget - cfg.data.max_length, 2)):
+            d = dataclasses.replace(cfg.data, max_tokens_per_batch=tokens)
+            steps = plan_epoch(lengths, build_batching_spec(d, 1, 1, cfg.trainer.seed), 0)
+            assert len(steps) == micro_steps, f"{batching} at {tokens} tokens: {len(steps)} micro-steps"
+            if micro_steps == 1:
+                assert sorted(i for row in steps[0][0] for i in row) == list(range(rows))
 
 
 @pytest.fixture
