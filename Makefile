@@ -85,7 +85,7 @@ bench-evaluation: setup  ## eval on 1 rank vs 2 (the same loss), what the save c
 	$(BIN)/python -m ddptrain.bench.evaluation --data ../shared/data/alpaca/alpaca_data_52k.jsonl
 	$(BIN)/python -m ddptrain.bench.save_check
 
-gpu-check: setup  ## on a GPU machine: tests/gpu + the GPU throughput benchmark, one table (< 10 min)
+gpu-check: setup  ## tests/gpu and the GPU benchmark in tiers by GPU count, one table (1 GPU: < 8 min); no GPU: lists them
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:

@@ -64,10 +64,11 @@ def init_distributed(
         The DistEnv of this process.
 
     Raises:
-        RuntimeError: CUDA asked for but missing, nccl asked for without CUDA, or two ranks on one GPU.
+        RuntimeError: CUDA asked for but missing, nccl asked for without CUDA, or two ranks on one GPU (but for
+            ``parallel.backend=gloo``, which may share one: ``cuda_index``).
     """
     start = start or Start.from_environ()
-    torch_device = _pick_device(device, start.local_rank)
+    torch_device = _pick_device(device, start.local_rank, share=cfg.backend == Backend.gloo)
     backend = _pick_backend(cfg.backend, torch_device)
     timeout = timedelta(seconds=cfg.timeout_s)
     if start.world_size == 1 and store_port is None:
@@ -188,44 +189,59 @@ def _rendezvous_store(rank: int, store_port: int | None, timeout: timedelta, att
     return dist.PrefixStore(f"attempt{attempt}", store)
 
 
-def _pick_device(device: Device, local_rank: int) -> torch.device:
+def _pick_device(device: Device, local_rank: int, share: bool = False) -> torch.device:
     want_cuda = device == Device.cuda or (device == Device.auto and torch.cuda.is_available())
     if not want_cuda:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RuntimeError("trainer.device=cuda but this torch build sees no CUDA device: use trainer.device=cpu.")
-    index = cuda_index(local_rank, torch.cuda.device_count())
+    index = cuda_index(local_rank, torch.cuda.device_count(), share=share)
     # Before anything touches CUDA, or every rank allocates a context on GPU 0.
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
 
-def cuda_index(local_rank: int, visible: int) -> int:
+SHARE_A_GPU = (
+    "To share GPUs between ranks for a test or debugging (not for speed: gloo all-reduces CUDA tensors through the "
+    "host), set parallel.backend=gloo."
+)
+
+
+def cuda_index(local_rank: int, visible: int, share: bool = False) -> int:
     """The CUDA device this rank uses, of the ``visible`` ones it sees.
 
     A scheduler that binds one GPU to each task (Slurm's ``--gpus-per-task``, ``CUDA_VISIBLE_DEVICES`` set per
     rank) shows each rank a single device, ``cuda:0``, whatever its local rank; otherwise every rank of the node
     sees all of them and takes the one at its local rank. Two ranks that end up on one GPU are refused once the
-    group forms (``check_one_rank_per_gpu``).
+    group forms (``check_one_rank_per_gpu``), unless the group is gloo's.
+
+    Args:
+        local_rank: this rank's place on its node.
+        visible: the CUDA devices this process sees.
+        share: ranks may share a GPU (``parallel.backend=gloo``: gloo all-reduces CUDA tensors through the host,
+            NCCL refuses two ranks on one device). With more local ranks than GPUs, rank r takes GPU r % visible:
+            ``make gpu-check`` runs 2 ranks on one GPU this way.
 
     Raises:
-        RuntimeError: several GPUs visible, but fewer than the local ranks.
+        RuntimeError: several GPUs visible, but fewer than the local ranks, and ``share`` not set.
     """
     if visible == 1 or local_rank < visible:
         return 0 if visible == 1 else local_rank
+    if share:
+        return local_rank % visible
     raise RuntimeError(
         f"local rank {local_rank} has no GPU: only {visible} visible. "
-        "Lower parallel.nproc_per_node (or torchrun --nproc_per_node) to the number of GPUs."
+        f"Lower parallel.nproc_per_node (or torchrun --nproc_per_node) to the number of GPUs. {SHARE_A_GPU}"
     )
 
 
 def check_one_rank_per_gpu(env: DistEnv, store: dist.Store) -> None:
     """No two ranks drive one GPU (a scheduler that shows several ranks the same single GPU would put them there).
     Exchanged over the group's store, not NCCL, whose first collective would fail first with its own "Duplicate GPU
-    detected". Every rank calls it.
+    detected". A gloo group may share a GPU (tests, debugging): rank 0 warns instead. Every rank calls it.
 
     Raises:
-        RuntimeError: naming the ranks that share a GPU and the fix.
+        RuntimeError: on NCCL (or any backend but gloo), naming the ranks that share a GPU and the fix.
     """
     if env.device.type != "cuda" or env.world_size == 1:
         return
@@ -233,11 +249,20 @@ def check_one_rank_per_gpu(env: DistEnv, store: dist.Store) -> None:
     store.set(f"ddptrain/device/rank{env.rank}", mine)
     devices = [store.get(f"ddptrain/device/rank{rank}").decode() for rank in range(env.world_size)]  # waits for all
     shared = ranks_sharing_a_device(devices)
+    if shared and env.backend == "gloo":
+        if env.is_rank_zero:
+            log.warning(
+                "ranks %s share one GPU (%s) over gloo: right for tests and debugging, not for speed (each rank's "
+                "all-reduce goes through the host and the ranks take turns on the device).",
+                ", ".join(map(str, shared[0])),
+                devices[shared[0][0]],
+            )
+        return
     if shared:
         raise RuntimeError(
             f"ranks {', '.join(map(str, shared[0]))} all run on one GPU ({devices[shared[0][0]]}): each rank needs its "
             "own. Give every task its own GPU (Slurm --gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank), or show "
-            "every rank all GPUs of the node, or start fewer processes per node."
+            f"every rank all GPUs of the node, or start fewer processes per node. {SHARE_A_GPU}"
         )
 
 
