@@ -25,7 +25,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ddptrain import checkpoint
-from ddptrain.checkpoint_files import what_it_holds
+from ddptrain.checkpoint.files import what_it_holds
 from ddptrain.config import RunConfig, register_configs
 from ddptrain.model import build_tokenizer, point_adapter_at_base
 from ddptrain.observe.console import quiet_libraries

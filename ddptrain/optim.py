@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ddptrain.config import OptimConfig, Scheduler
 
@@ -70,7 +71,9 @@ def clip_gradients(params: list[torch.Tensor], cfg: OptimConfig) -> torch.Tensor
     Returns:
         The total gradient norm before clipping, on the device (reading it would wait for the step).
     """
-    return torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
+    norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
+    # FSDP2's sharded gradients give a replicated DTensor: every rank holds the whole norm, read as it is.
+    return norm.to_local() if isinstance(norm, DTensor) else norm
 
 
 @contextlib.contextmanager

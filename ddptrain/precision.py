@@ -54,6 +54,15 @@ def autocast_dtype(cfg: TrainerConfig, device: torch.device) -> DType:
     return resolve_precision(cfg.precision, device.type, bf16_supported=_ampere_or_newer(device))
 
 
+def sharded_compute_dtype(precision: DType, model_dtype: DType, lora: bool) -> torch.dtype | None:
+    """What FSDP2's units gather their weights in (``MixedPrecisionPolicy.param_dtype``): the autocast dtype; for a
+    full fine-tune of a bf16 or fp16 model (its masters upcast to fp32) that model's dtype; else None (as stored:
+    the same arithmetic as DDP's replica)."""
+    if precision != DType.fp32:
+        return TORCH_DTYPES[precision]
+    return TORCH_DTYPES[model_dtype] if not lora and model_dtype != DType.fp32 else None
+
+
 def _ampere_or_newer(device: torch.device) -> bool:
     """Compute capability 8.0 and up: native bf16 and TF32 tensor cores."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8

@@ -33,7 +33,7 @@ from ddptrain.observe.window import StepResult, Stopwatch, Window
 from ddptrain.optim import build_optimizer, build_scheduler, divergence_levers, step_optimizer
 from ddptrain.parallel import DistEnv
 from ddptrain.plan.at_start import plan_at_start
-from ddptrain.precision import autocast, autocast_dtype
+from ddptrain.precision import autocast, autocast_dtype, sharded_compute_dtype
 from ddptrain.process import signals
 
 log = logging.getLogger(__name__)
@@ -66,14 +66,15 @@ class Trainer:
         self.clock = timing.build_clock(cfg.trainer.timing, env.device, self.comm)  # before DDP: it times the hook
         self.clock.enter("wrap_model")  # a collective (the replicas' checksum): a hang here says so
         # The step calls DDP around the loss module; evaluation and checkpoints use the loss module itself.
-        self.ddp_model = parallel.wrap_model(self.loss_module, cfg.parallel, env, self.comm)
+        precision = autocast_dtype(cfg.trainer, env.device)  # trainer.precision=auto resolved on this device
+        gather = sharded_compute_dtype(precision, cfg.model.dtype, cfg.model.lora)  # fsdp2: in place, the same module
+        self.ddp_model = parallel.wrap_model(self.loss_module, cfg.parallel, env, self.comm, gather)
         if cfg.trainer.compile:
             self.ddp_model = torch.compile(self.ddp_model)
         self.trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optim, self.loss_module)
         self.total_steps = cfg.trainer.max_steps or self.data.steps_per_epochs(cfg.trainer.epochs)
         self.scheduler = build_scheduler(cfg.optim, self.optimizer, self.total_steps)
-        precision = autocast_dtype(cfg.trainer, env.device)  # trainer.precision=auto resolved on this device
         self.autocast = partial(autocast, precision, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=precision == DType.fp16)
         self.guard = build_nonfinite_guard(cfg.trainer, divergence_levers(cfg.optim), self.scaler, env.device)
@@ -232,15 +233,14 @@ class Trainer:
         return record
 
     def finish(self) -> dict[str, Any]:
-        """Final evaluation (unless just evaluated: early stop), the last checkpoint (without adapter/, one once the run
-        has any: the save check's round trip runs there), the final weights. Returns the final eval metrics, the best
-        evaluation (``best_step``, ``best_value`` of ``best_metric``) and ``early_stopped`` (why) if any."""
+        """Final evaluation (unless just evaluated), the last checkpoint (without adapter/, the round trip's), the final
+        weights. Returns the final eval metrics, the best (``best_step``, ``best_value``), ``early_stopped`` if any."""
         self.clock.enter("finish", self.step)
         final = self.best.evaluated_at(self.step) or self.evaluate(self.step)
-        last = self.checkpointer.saved_step is not None and self.cfg.trainer.save_check != SaveCheckMode.off
-        if self.cfg.trainer.save_final or last or self.best.wants_checkpoint(self.step) or self.best.should_stop:
-            self.save(final=not self.cfg.trainer.save_final)
-        if self.cfg.trainer.save_final:
+        self.clock.enter("save", self.step)
+        t = self.cfg.trainer
+        self.metrics.log(self.checkpointer.save_last(self.step, t.save_final, t.save_check != SaveCheckMode.off))
+        if t.save_final:
             self.metrics.log(self.checkpointer.save_final(self.step))  # the save check's record, on rank 0
         parallel.barrier()
         kept = {"best_kept": checkpoint.best_step_in(self.run_dir) == self.best.best_step, "last_step": self.step}

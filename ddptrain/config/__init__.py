@@ -29,7 +29,7 @@ from ddptrain.config.logger import (
 )
 from ddptrain.config.model import Attention, DType, ModelConfig, ModelInit, resolve_precision
 from ddptrain.config.optim import OptimConfig, Scheduler
-from ddptrain.config.parallel import Backend, CommHook, ParallelConfig, StartMethod
+from ddptrain.config.parallel import Backend, CommHook, ParallelConfig, StartMethod, Strategy
 from ddptrain.config.plan import PlanConfig
 from ddptrain.config.run import (
     ConfigError,
@@ -79,6 +79,7 @@ __all__ = [
     "Scheduler",
     "SourceConfig",
     "StartMethod",
+    "Strategy",
     "Template",
     "TensorBoardLoggerConfig",
     "TrainerConfig",

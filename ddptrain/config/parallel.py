@@ -19,6 +19,11 @@ class Backend(str, Enum):
     gloo = "gloo"
 
 
+class Strategy(str, Enum):
+    ddp = "ddp"  # every rank holds the whole model, its gradients and optimizer states; gradients all-reduced
+    fsdp2 = "fsdp2"  # each rank holds 1/N of them; a layer's weights all-gathered for its compute (fully_shard)
+
+
 class StartMethod(str, Enum):
     spawn = "spawn"  # each rank a fresh interpreter that imports torch, transformers and peft itself
     forkserver = "forkserver"  # one server process imports them once; each rank (and restart) is a fork of it
@@ -35,6 +40,17 @@ class CommHook(str, Enum):
 class ParallelConfig:
     nproc_per_node: Optional[int] = 1
     """Processes on this machine; null = adopt torchrun's count (or 1 when self-launched)."""
+    strategy: Strategy = Strategy.ddp
+    """ddp: a whole replica per rank (the fastest while it fits). fsdp2: parameters, gradients and optimizer states
+    sharded over the ranks (``torch.distributed.fsdp.fully_shard``, one unit per decoder layer plus the root), each
+    layer's weights gathered for its forward and backward; trainable weights kept in fp32, computed in the autocast
+    dtype. For what does not fit DDP: a full fine-tune, a model larger than one device (README, "DDP or FSDP2")."""
+    reshard_after_forward: bool = True
+    """fsdp2: free each decoder layer's gathered weights after its forward and gather them again for its backward
+    (one layer's in memory at a time); false keeps them to the backward: fewer all-gathers, every layer's memory."""
+    cpu_offload: bool = False
+    """fsdp2: keep the sharded parameters, gradients and optimizer states in host memory (the optimizer steps on the
+    CPU); each layer's weights go to the device for its compute. For a model whose shards do not fit the device."""
     backend: Backend = Backend.auto
     timeout_s: int = 600
     """Collective timeout: a hung rank fails the run after this many seconds, not days."""

@@ -240,7 +240,7 @@ class DataOrder:
             "max_tokens_per_batch": cfg.max_tokens_per_batch,
             "pad_to_multiple_of": cfg.pad_to_multiple_of,
             "dataset_rows": dataset_rows,
-            # Empty without a mixture (older checkpoints keep no sources then: checkpoint_format reads them).
+            # Empty without a mixture (older checkpoints keep no sources then: checkpoint.format reads them).
             "sources": [json.dumps(dataclasses.asdict(s), default=str) for s in cfg.sources],
             # Only when set: checkpoints from before these keys resume as before.
             **{key: value for key, value in (("revision", cfg.revision), ("eval_split", cfg.eval_split)) if value},

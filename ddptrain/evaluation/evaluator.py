@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ddptrain import parallel
 from ddptrain.evaluation.best import BestTracker
 from ddptrain.evaluation.metrics import evaluate
 from ddptrain.evaluation.samples import SampleRound
@@ -49,6 +50,16 @@ class Evaluator:
         """Evaluate at ``step``; returns the record logged (``eval_loss``, ..., ``eval_s``, ``samples_s``)."""
         self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: freed before eval's peak
         record: dict[str, Any] = {"step": step}
+        with parallel.gathered(self.loss_module):  # FSDP2: the root's weights whole (eval sums, generate)
+            record |= self._evaluate(step)
+        if len(record) > 1:  # something was evaluated
+            self.metrics.log(record)
+        if "eval_loss" in record:
+            self._book(step, record)
+        return record
+
+    def _evaluate(self, step: int) -> dict[str, Any]:
+        record: dict[str, Any] = {}
         if self.eval_batches is not None:
             self.clock.enter("eval", step)
             start = time.perf_counter()
@@ -57,13 +68,10 @@ class Evaluator:
         if self.samples is not None:
             self.clock.enter("samples", step)
             start = time.perf_counter()
-            rows = self.samples(self.loss_module.model, step, self.autocast, self.device)
+            sharded = parallel.is_sharded(self.loss_module)
+            rows = self.samples(self.loss_module.model, step, self.autocast, self.device, sharded)
             record["samples_s"] = time.perf_counter() - start  # generating, and waiting for the slowest rank
             self.metrics.log_samples(step, rows)
-        if len(record) > 1:  # something was evaluated
-            self.metrics.log(record)
-        if "eval_loss" in record:
-            self._book(step, record)
         return record
 
     def _book(self, step: int, record: dict[str, Any]) -> None:

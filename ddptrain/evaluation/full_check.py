@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddptrain.checkpoint_files import tied_groups
+from ddptrain.checkpoint.files import tied_groups
 from ddptrain.evaluation.host import all_cores
 from ddptrain.evaluation.readback import SaveCheckError, few_keys, same_bits
 from ddptrain.liger import unpatched

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddptrain.checkpoint_files import KNOWN_PREFIXES, untied
+from ddptrain.checkpoint.files import KNOWN_PREFIXES, untied
 
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 LORA_FUNCTION_KEYS = (
@@ -58,7 +58,7 @@ class ReadBack:
 
     Args:
         model: the training model, unwrapped (the peft model for LoRA, the transformers model for a full fine-tune).
-        base: the base an adapter must name in its ``adapter_config.json`` (``checkpoint_files.base_model_path``);
+        base: the base an adapter must name in its ``adapter_config.json`` (``checkpoint.files.base_model_path``);
             None for a full fine-tune.
     """
 

@@ -43,13 +43,15 @@ def complete(
     pad_id: int,
     device: torch.device,
     batch_size: int = SAMPLE_BATCH_SIZE,
+    synced: bool = False,
 ) -> list[list[int]]:
     """The greedy continuation of each prompt: at most ``max_new_tokens`` tokens, up to and including the first of
     ``stop_ids``. ``batch_size`` prompts at a time, padded on the left, so that every row's next token comes from
     its own last position (the attention mask keeps the padding out, and ``generate`` counts positions from it).
     Greedy whatever the model ships: the settings of its own ``generation_config`` (a ``repetition_penalty``, a
-    ``temperature``) are set aside while it generates. No collective: ``model`` is the unwrapped model, run on this
-    rank alone. The caller sets eval mode and the autocast."""
+    ``temperature``) are set aside while it generates. No collective (but FSDP2's, with ``synced``: ``model`` is then
+    sharded, and every rank runs the same number of forwards): ``model`` is the unwrapped model, run on this rank
+    alone. The caller sets eval mode and the autocast."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(
@@ -60,7 +62,9 @@ def complete(
     with torch.no_grad(), _only_these_settings(model):
         for start in range(0, len(prompt_ids), batch_size):
             input_ids, attention_mask = _left_padded(prompt_ids[start : start + batch_size], pad_id, device)
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            out = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config, synced_gpus=synced
+            )
             completions += [_up_to_stop(row.tolist(), stop_ids) for row in out[:, input_ids.shape[1] :]]
     return completions
 
@@ -117,23 +121,33 @@ class SampleRound:
         self.mine = list(range(rank, len(prompts), world_size))
 
     def __call__(
-        self, model: nn.Module, step: int, autocast: Callable[[], AbstractContextManager], device: torch.device
+        self,
+        model: nn.Module,
+        step: int,
+        autocast: Callable[[], AbstractContextManager],
+        device: torch.device,
+        sharded: bool = False,
     ) -> list[dict[str, Any]]:
         """Every prompt's completion at ``step``: the same list on every rank, in prompt order. Every rank calls it:
-        the gather at the end is a collective."""
-        was_training = model.training
+        the gather at the end is a collective. ``sharded`` (FSDP2): every forward gathers weights from every rank, so
+        every rank completes every prompt, in lockstep (the same prompts and weights give the same tokens; generate's
+        ``synced_gpus`` keeps a rank that finished stepping until all have), and nothing is gathered."""
+        was_training, indices = model.training, range(len(self.prompts)) if sharded else self.mine
         model.eval()
         with autocast():
             ids = complete(
                 model,
-                [self.prompts[i].ids for i in self.mine],
+                [self.prompts[i].ids for i in indices],
                 self.max_new_tokens,
                 self.stop_ids,
                 self.tokenizer.pad_token_id,
                 device,
+                synced=sharded,
             )
         model.train(was_training)
-        mine = [(i, self._row(step, i, tokens)) for i, tokens in zip(self.mine, ids)]
+        mine = [(i, self._row(step, i, tokens)) for i, tokens in zip(indices, ids)]
+        if sharded:
+            return [row for _, row in mine]
         gathered = sorted((pair for rank in parallel.all_gather_object(mine) for pair in rank), key=lambda p: p[0])
         return [row for _, row in gathered]
 

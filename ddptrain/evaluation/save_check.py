@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddptrain.checkpoint_files import WEIGHTS, read_manifest, sha256_file
+from ddptrain.checkpoint.files import WEIGHTS, read_manifest, sha256_file
 from ddptrain.config import SaveCheckMode
 from ddptrain.evaluation.full_check import FullWeightsCheck
 from ddptrain.evaluation.peft_check import PeftRoundTrip, Probe
@@ -149,7 +149,7 @@ def build_save_checks(
     Args:
         mode: ``trainer.save_check``.
         model: the training model, unwrapped (the peft model for LoRA).
-        base: the base an adapter names (``checkpoint_files.base_model_path``); None for a full fine-tune.
+        base: the base an adapter names (``checkpoint.files.base_model_path``); None for a full fine-tune.
         dtype: ``model.dtype`` as a torch dtype.
         attn: ``model.attn_implementation``.
         probe_rows: a few training rows (token ids) for the LoRA round trip's probe batch.

@@ -113,7 +113,7 @@ def build_progress_bar(
 def done_line(result: dict[str, Any], run_dir: Path) -> str:
     """The run's last lines: where the results are (or why it stopped early), then the best evaluation and where its
     weights are: "the best adapter" of a LoRA run, "the best weights" of a full fine-tune (as the run saved them)."""
-    from ddptrain.checkpoint_files import what_the_run_saved  # imports torch: a finished run has it loaded
+    from ddptrain.checkpoint.files import what_the_run_saved  # imports torch: a finished run has it loaded
 
     line = f"ddptrain: done. Results in {run_dir}"
     if "early_stopped" in result:

@@ -32,6 +32,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -172,7 +173,16 @@ class StepClock:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident memory so far (the kernel keeps it; Linux reports KiB, macOS bytes)."""
+    """The process's peak resident memory so far: Linux's ``VmHWM`` (this process's own address space), else
+    ``ru_maxrss`` (macOS: bytes; Linux: KiB). Not ``ru_maxrss`` on Linux: the kernel carries the peak of the process
+    that started this one across ``exec``, so a rank spawned by a launcher that held 800 MB reports 800 MB however
+    little it held itself (measured: a spawned child's ``ru_maxrss`` 834 MB, its ``VmHWM`` 15 MB)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

@@ -68,24 +68,30 @@ class Window:
         self.steps += 1
         self.flops += result.flops
 
-    def close(self, *, step: int, epoch: int, lr: float, grad_norm: Any, watch: Stopwatch, comm: tuple | None) -> dict:
+    def close(
+        self, *, step: int, epoch: int, lr: float, grad_norm: Any, watch: Stopwatch, comm: dict[str, int] | None
+    ) -> dict:
         """The window over all ranks as one metrics record, then an empty window (in place: the checkpointer
         holds this object). Every rank calls it (it runs collectives) and gets the same record.
 
         Args:
-            comm: ``(calls, syncs, bytes)`` handed to all-reduce during the window (``parallel.CommCounter``),
-                or None when DDP's built-in all-reduce ran uncounted (trainer.timing=false).
+            comm: the calls, syncs and bytes of the window's collectives by name (``parallel.CommCounter.take``:
+                all-reduce, or FSDP2's reduce-scatter and all-gather), or None when DDP's built-in all-reduce ran
+                uncounted (trainer.timing=false).
         """
         record = self._reduce(step, epoch, lr, float(grad_norm), watch, comm)
         self.load_state_dict(asdict(Window()))
         return record
 
-    def _reduce(self, step: int, epoch: int, lr: float, grad_norm: float, watch: Stopwatch, comm: tuple | None) -> dict:
+    def _reduce(
+        self, step: int, epoch: int, lr: float, grad_norm: float, watch: Stopwatch, comm: dict[str, int] | None
+    ) -> dict:
         local = torch.tensor([float(self.loss_sum), float(self.target_tokens)], dtype=torch.float64)
         totals = parallel.all_reduce_sum(local)
         seconds = watch.lap()  # after the reduction: every rank's steps of the window are done
         real, padded, imbalance, peak = batch_stats(parallel.all_gather_tensor(torch.tensor(self.batch_tokens)))
-        per_step = [None] * 3 if comm is None else [n / self.steps for n in comm]  # None: DDP's own all-reduce
+        uncounted = dict.fromkeys(("allreduce_calls", "allreduce_syncs", "allreduce_bytes"))  # DDP's own all-reduce
+        per_step = {f"{k}_per_step": None if n is None else n / self.steps for k, n in (comm or uncounted).items()}
         return {
             "step": step,
             "epoch": epoch,
@@ -99,10 +105,9 @@ class Window:
             "rank_imbalance": imbalance,
             "peak_rank_tokens": peak,
             "skipped_steps": int(self.overflowed_steps),
-            # Per optimizer step and rank, as DDP's communication hook saw them.
-            "allreduce_calls_per_step": per_step[0],
-            "allreduce_syncs_per_step": per_step[1],
-            "allreduce_bytes_per_step": per_step[2],
+            # Per optimizer step and rank, as the collectives saw them: DDP's all-reduce, FSDP2's reduce-scatter
+            # (calls, syncs: the steps' ends, bytes handed to it) and all-gather (calls, bytes received).
+            **per_step,
             "elapsed_s": watch.elapsed(),
             "window_steps": self.steps,
         }
@@ -116,7 +121,7 @@ class Window:
         self.loss_sum = float(state["loss_sum"])
         self.target_tokens = int(state["target_tokens"])
         self.batch_tokens = [(int(real), int(padded)) for real, padded in state["batch_tokens"]]
-        self.overflowed_steps = int(state["overflowed_steps"])  # older formats: checkpoint_format reads them
+        self.overflowed_steps = int(state["overflowed_steps"])  # older formats: checkpoint.format reads them
         self.steps = int(state["steps"])
         self.flops = float(state["flops"])
 

@@ -33,6 +33,7 @@ from ddptrain.parallel.ddp import (
     grad_sync,
     wrap_model,
 )
+from ddptrain.parallel.fsdp import gathered, is_sharded
 from ddptrain.parallel.group import (
     FAILED_EXIT_GRACE_S,
     NCCL_GRACE_MIN_S,

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddptrain.config import CommHook, ParallelConfig
+from ddptrain.config import CommHook, ParallelConfig, Strategy
 from ddptrain.parallel.collectives import check_replicas_agree
 from ddptrain.parallel.group import DistEnv, wrapped
 
@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CommCounter:
-    """What DDP's communication hook actually sent (calls and bytes per rank), and when it ran.
+    """What the gradient synchronisation actually sent (calls and bytes per rank), and when it ran: DDP's
+    communication hook (all-reduce), or FSDP2's reduce-scatters and all-gathers (``parallel.fsdp``).
 
     The times let ``timing.StepClock`` tell the communication that backward hid from the part it
     waited for: on the CPU, ``hook_intervals`` are the host times spent inside the hook (the autograd
@@ -38,6 +39,11 @@ class CommCounter:
     calls: int = 0
     syncs: int = 0
     bytes: int = 0
+    gathers: int = 0
+    """FSDP2: all-gathers of sharded weights (forward, and backward where resharded), and their bytes received."""
+    gathered_bytes: int = 0
+    sharded: bool = False
+    """The model is sharded (FSDP2): ``calls``, ``syncs`` and ``bytes`` count reduce-scatters, not all-reduces."""
     timed: bool = False
     """Set before ``wrap_model``: time the hook (trainer.timing)."""
     counting: bool = True
@@ -45,10 +51,13 @@ class CommCounter:
     hook_intervals: list[tuple[float, float]] = field(default_factory=list)
     last_launch: Any = None
 
-    def take(self) -> tuple[int, int, int]:
-        """(calls, syncs, bytes) since the last take."""
-        counts = (self.calls, self.syncs, self.bytes)
-        self.calls = self.syncs = self.bytes = 0
+    def take(self) -> dict[str, int]:
+        """The counts since the last take, by the names the metrics record gives them (``<name>_per_step``)."""
+        sync = "reducescatter" if self.sharded else "allreduce"
+        counts = {f"{sync}_calls": self.calls, f"{sync}_syncs": self.syncs, f"{sync}_bytes": self.bytes}
+        if self.sharded:
+            counts |= {"allgather_calls": self.gathers, "allgather_bytes": self.gathered_bytes}
+        self.calls = self.syncs = self.bytes = self.gathers = self.gathered_bytes = 0
         return counts
 
     def take_times(self) -> tuple[list[tuple[float, float]], Any]:
@@ -58,14 +67,26 @@ class CommCounter:
         return times
 
 
-def wrap_model(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: CommCounter | None = None) -> nn.Module:
-    """Wrap in DDP when there is more than one rank; a single process gets the model back.
+def wrap_model(
+    model: nn.Module,
+    cfg: ParallelConfig,
+    env: DistEnv,
+    counter: CommCounter | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Wrap in DDP when there is more than one rank; a single process gets the model back. With
+    ``parallel.strategy=fsdp2`` shard it instead, in place, whatever the world size (``parallel.fsdp``; its units
+    gather their weights in ``compute_dtype``).
 
     The communication hook (plain all-reduce unless parallel.comm_hook says otherwise) is
     registered here and counts into ``counter`` every bucket it handles and the bytes of
     every tensor it hands to the all-reduce. Skipped micro-steps (``grad_sync(enabled=False)``)
     run no hook at all.
     """
+    if cfg.strategy == Strategy.fsdp2:
+        from ddptrain.parallel.fsdp import shard_model
+
+        return shard_model(model, cfg, env, counter or CommCounter(), compute_dtype)
     if env.world_size == 1:
         return model
     # Every rank built or loaded the same weights (same seed, same files). DDP would broadcast all of
@@ -214,6 +235,12 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     micro-step of an optimizer step syncs the accumulated gradients once. ``model`` may be
     torch.compile's wrapper around DDP: its forward still runs DDP's, which reads the flag.
     """
+    from ddptrain.parallel.fsdp import is_sharded, no_reduce_scatter
+
+    if is_sharded(model):
+        with no_reduce_scatter(model, enabled):
+            yield
+        return
     ddp = _find_ddp(model)
     if enabled or ddp is None:
         yield

@@ -57,7 +57,7 @@ SHARED = [
 @pytest.fixture(scope="module", autouse=True)
 def one_gpu_visible():
     """Every run of this module sees one GPU, whatever the machine has: with two, rank 1 would take its own."""
-    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_VISIBLE_DEVICES", first)
         yield
@@ -102,7 +102,10 @@ def test_eval_and_samples_run_on_both_ranks(shared_run) -> None:
     assert sorted(samples) == [10, 20], "samples at every evaluation"
     for rows in samples.values():
         assert [prompt for prompt, _ in rows] == PROMPTS
-        assert all(completion.strip() for _, completion in rows), rows
+    # What a random-init model writes is not the point (it may stop at once): each row says how many tokens and why.
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        assert 1 <= row["tokens"] <= 8 and (row["ended"] == "max_new_tokens") == (row["tokens"] == 8), row
 
 
 def test_every_save_is_written_and_checked_in_full_on_the_host(shared_run) -> None:

@@ -51,7 +51,7 @@ def test_failed_save_leaves_the_previous_checkpoint_loadable(tmp_path, lora_mode
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    monkeypatch.setattr(checkpoint.writer.torch, "save", disk_full)
     with pytest.raises(OSError, match="No space left"):
         save(writer, lora_model, 2)
     assert checkpoint.newest_complete(tmp_path / "checkpoints") == good
@@ -65,14 +65,14 @@ def test_trainer_reports_a_failed_save_naming_the_intact_checkpoint(tmp_path, mo
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
     try:
         trainer = Trainer(cfg, env, tmp_path)
-        real_save = checkpoint.torch.save
+        real_save = checkpoint.writer.torch.save
 
         def fail_second_save(obj, path, *args, **kwargs):
             if "step-00000004" in str(path):
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real_save(obj, path, *args, **kwargs)
 
-        monkeypatch.setattr(checkpoint.torch, "save", fail_second_save)
+        monkeypatch.setattr(checkpoint.writer.torch, "save", fail_second_save)
         with pytest.raises(RuntimeError, match=r"checkpoint of step 4 failed.*intact: .*step-00000002"):
             trainer.fit()
     finally:

@@ -250,7 +250,7 @@ def test_best_is_a_verified_copy_checked_once(tmp_path, trained_lora, monkeypatc
                 f.seek(-1, 2)
                 f.write(bytes([last[0] ^ 1]))
 
-    monkeypatch.setattr(checkpoint.shutil, "copy2", copy_losing_a_byte)
+    monkeypatch.setattr(checkpoint.writer.shutil, "copy2", copy_losing_a_byte)
     with pytest.raises(SaveCheckError, match=rf"{tmp_path / 'best' / ADAPTER} is not the copy of"):
         writer.save(trained_lora[1], {"step": 2}, meta(2, best=True))
     assert checkpoint.best_step_in(tmp_path) == 1
@@ -337,8 +337,22 @@ def test_without_adapter_the_last_steps_checkpoint_gets_the_round_trip(tmp_path,
     checked = [r for r in records if "save_check_s" in r]
     assert [r["step"] for r in checked] == read_back
     (round_trip,) = [r["save_check_round_trip"] for r in checked if "save_check_round_trip" in r]
-    assert round_trip == [str(tmp_path / "checkpoints" / "step-00000002" / "weights")]
+    last = tmp_path / "checkpoints" / "step-00000002"
+    assert round_trip == [str(last / "weights")]
     assert not (tmp_path / "adapter").exists()
+
+    # The finished run resumed in its own folder: its last checkpoint is checked as the last save, not written again.
+    written = {p: p.stat().st_ino for p in last.rglob("*") if p.is_file()}
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device)
+    try:
+        Trainer(compose_config([*TINY, *overrides, "trainer.max_steps=2", "trainer.save_final=false",
+                                f"trainer.resume={tmp_path}"]), env, tmp_path).fit()  # fmt: skip
+    finally:
+        parallel.teardown()
+    assert {p: p.stat().st_ino for p in last.rglob("*") if p.is_file()} == written, "the checkpoint was written again"
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    again = [r for r in records if "save_check_s" in r][len(checked) :]
+    assert [(r["step"], r["save_check_round_trip"]) for r in again] == [(2, [str(last / "weights")])]
 
 
 def test_the_round_trip_runs_on_every_core_and_a_gpu_run_keeps_its_host_base_between_checks(

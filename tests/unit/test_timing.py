@@ -63,3 +63,22 @@ def test_a_window_counts_only_the_steps_it_timed(one_rank_group) -> None:
     record = clock.close_window(flops_per_step=0.0, peak_tflops=None)
     assert record["step_time_s"] == pytest.approx(1.0)  # 2 s over 2 steps (1 s of start excluded)
     assert record["tflops"] is None and record["mfu"] is None  # no FLOP count: unknown, not zero
+
+
+def test_a_started_process_reports_its_own_peak_not_its_launchers() -> None:
+    """A rank's report sets its resident peak beside the plan: a process started by one that held 1 GiB (a launcher,
+    a pytest worker) reports what it held itself. Linux's ru_maxrss carries the starter's peak across exec."""
+    import subprocess
+    import sys
+
+    from ddptrain.observe.timing import peak_rss_bytes
+
+    held = bytearray(1 << 30)  # touched: zero-filled pages are resident
+    held[::4096] = b"\x01" * len(held[::4096])
+    child = subprocess.run(
+        [sys.executable, "-c", "from ddptrain.observe.timing import peak_rss_bytes; print(peak_rss_bytes())"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    assert peak_rss_bytes() >= 1 << 30
+    assert int(child.stdout) < (1 << 30) // 2, "the child reported its starter's peak"
+    del held

@@ -10,7 +10,7 @@ A checkpoint is a folder ``<run>/checkpoints/step-00000020/`` holding
   fix the data order, the eval metrics when the step was evaluated, and every file with its size and SHA-256.
 
 The folder is written under a temporary name, flushed, and renamed into place; a folder
-without a complete, matching manifest is never loaded (``checkpoint_files``). ``latest`` names the newest one;
+without a complete, matching manifest is never loaded (``checkpoint.files``). ``latest`` names the newest one;
 the last ``trainer.keep_last_n`` are kept, and besides them the best ``trainer.keep_best_n`` by
 ``trainer.best_metric`` as their manifests record it, so the choice survives a resume and a restart. The best
 one's weights are also in ``<run>/best/`` with ``best.json`` (its step and metrics). Before saved weights are put
@@ -27,20 +27,15 @@ restoring every part.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import math
-import shutil
 from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
-import torch
 from torch import nn
 
 from ddptrain import parallel
-from ddptrain.checkpoint_files import (
+from ddptrain.checkpoint.files import (
     BEST,
     BEST_FILE,
     KNOWN_PREFIXES,
@@ -62,15 +57,14 @@ from ddptrain.checkpoint_files import (
     read_weights,
     strip_known_prefixes,
     verify,
-    what_it_holds,
 )
-from ddptrain.checkpoint_format import upgrade_state, version_of
+from ddptrain.checkpoint.format import upgrade_state, version_of
+from ddptrain.checkpoint.writer import CheckpointWriter, NullCheckpointWriter, build_writer
 from ddptrain.config import TrainerConfig
-from ddptrain.evaluation.best import BestRule, BestTracker
-from ddptrain.evaluation.save_check import SaveChecks, build_save_checks, merge_records
+from ddptrain.evaluation.best import BestTracker
 from ddptrain.parallel import DistEnv
 from ddptrain.precision import TORCH_DTYPES
-from ddptrain.rng import RNGState, rng_untouched
+from ddptrain.rng import RNGState
 
 __all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFEST``, ... as callers know them
     "BEST",
@@ -162,7 +156,7 @@ class Checkpointer:
         self.fingerprint = fingerprint
         self.best = best
         self.saved_step: int | None = None
-        """The step of this run's newest checkpoint (saved, or resumed from); None while it has none."""
+        """The step of the newest checkpoint in this run's folder (saved, or resumed from); None while it has none."""
 
     def save(self, step: int, final: bool = False) -> dict[str, Any]:
         """Every rank contributes its per-rank parts; rank 0 writes; the others wait for it (``after_rank_zero``).
@@ -199,6 +193,34 @@ class Checkpointer:
                 f"saving the checkpoint of step {step} failed: {type(err).__name__}: {str(err).rstrip('.')}. "
                 f"The previous checkpoint is intact: {previous or 'none yet'}. {fix}"
             ) from err
+
+    def save_last(self, step: int, save_final: bool, checking: bool) -> dict[str, Any]:
+        """The run's last checkpoint, at ``step``: saved with ``save_final`` (``adapter/`` follows), for a best or an
+        early stop, or where the run saved any checkpoint and ``checking`` (``trainer.save_check`` on: without
+        ``save_final`` it is the run's last save, and the round trip runs on it). One already saved at ``step`` (an
+        early stop, a finished run resumed) is not written again; without ``save_final`` rank 0 checks it as the last.
+
+        Returns:
+            On rank 0, the save check's metrics record when one ran; else empty.
+        """
+        final = not save_final
+        if self.saved_step == step:
+            return self._check_saved(step) if final else {}
+        if (
+            save_final
+            or self.best.wants_checkpoint(step)
+            or self.best.should_stop
+            or (checking and self.saved_step is not None)
+        ):
+            return self.save(step, final)
+        return {}
+
+    def _check_saved(self, step: int) -> dict[str, Any]:
+        check = partial(self.writer.check_saved, step)
+        parallel.after_rank_zero(
+            check, f"check the checkpoint of step {step}", self.save_timeout_s, "trainer.save_timeout_s"
+        )
+        return {"step": step, **self.writer.checked} if self.writer.checked else {}
 
     def save_final(self, step: int) -> dict[str, Any]:
         """Rank 0 writes the final weights (``<run>/adapter``); the others wait for it, as for a checkpoint.
@@ -241,7 +263,8 @@ class Checkpointer:
         adopt = partial(self.writer.adopt_best, folder.parent.parent, self.best.best_step)
         parallel.after_rank_zero(adopt, "carry best/ over", self.save_timeout_s, "trainer.save_timeout_s")
         log.info("resumed from %s at step %d (epoch %d)", folder, state["step"], state["sampler"]["epoch"])
-        self.saved_step = state["step"]
+        if folder.parent.parent.resolve() == self.run_dir.resolve():  # resumed into another folder: none in this one
+            self.saved_step = state["step"]
         return state["step"]
 
 
@@ -279,188 +302,6 @@ def check_same_data_order(folder: Path, fingerprint: Fingerprint) -> None:
 # ----------------------------------------------------------------------------- writing
 
 
-class CheckpointWriter:
-    """Writes checkpoints, ``best/`` and the final weights (``adapter/``); used on global rank 0 only.
-
-    Args:
-        run_dir: the run directory.
-        keep_last_n: ``trainer.keep_last_n``: the newest checkpoints kept.
-        files: the tokenizer and base an adapter carries (None: the weights alone, for tests of the format).
-        rule: ``trainer.keep_best_n`` checkpoints kept besides, ranked by their manifest's eval metrics.
-        check: proves the weights it saves load as trained, as ``trainer.save_check`` says; None: no check.
-    """
-
-    def __init__(
-        self,
-        run_dir: Path,
-        keep_last_n: int,
-        *,
-        files: AdapterFiles | None = None,
-        rule: BestRule | None = None,
-        check: SaveChecks | None = None,
-    ):
-        self.run_dir = run_dir
-        self.folder = run_dir / "checkpoints"
-        self.keep_last_n = keep_last_n
-        self.files, self.rule, self.check = files, rule, check
-        self.checked: dict[str, Any] = {}
-        """The record of the last save's check (``evaluation.save_check``): empty when none ran."""
-
-    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any], final: bool = False) -> Path:
-        """Write ``checkpoints/step-N`` (weights, trainer state, manifest last), point ``latest`` at it, copy its
-        weights to ``best/`` when ``meta`` says it is the best, prune; ``checked`` holds the check's record
-        (``final``: the run's last save).
-
-        Returns:
-            The checkpoint folder.
-
-        Raises:
-            Exception: whatever the write or the check raised; the previous checkpoints are untouched.
-        """
-        with rng_untouched():  # the check draws as it builds models: the run goes on as without it
-            return self._save(model, state, meta, final)
-
-    def _save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any], final: bool) -> Path:
-        target = self.folder / f"step-{meta['step']:08d}"
-        self.checked = checked = {}
-        if self.files is not None:
-            self.files.ensure_base(self.run_dir)
-
-        best = bool(meta.get("best")) and self.rule is not None and self.rule.keep_best_n > 0  # copied to best/
-
-        def write(tmp: Path) -> None:
-            self._write_weights(model, tmp / WEIGHTS, with_tokenizer=False)
-            if self.check is not None:
-                checked.update(self.check.written(tmp / WEIGHTS, target / WEIGHTS, final, best))
-            torch.save(state, tmp / STATE)
-            _write_manifest(tmp, meta)
-
-        atomic_save_dir(target, write)
-        latest_tmp = self.folder / ".latest.tmp"
-        latest_tmp.write_text(target.name + "\n")
-        latest_tmp.replace(self.folder / "latest")
-        log.info("saved checkpoint %s", target)
-        if best:
-            self.checked = merge_records(checked, self._save_best(target, meta))
-        self._prune()
-        return target
-
-    def _write_weights(self, model: nn.Module, folder: Path, with_tokenizer: bool) -> None:
-        if self.files is None:
-            model.save_pretrained(folder, safe_serialization=True)
-        else:
-            self.files.write(model, folder, self.run_dir, with_tokenizer)
-
-    def _save_best(self, checkpoint: Path, meta: dict[str, Any]) -> dict[str, Any]:
-        """``<run>/best``: the checkpoint's weights (a copy verified against its manifest, not checked again), the
-        tokenizer and ``best.json`` (its step and metrics)."""
-        best, checked = self.run_dir / BEST, {}
-
-        def write(tmp: Path) -> None:
-            for file in (checkpoint / WEIGHTS).iterdir():
-                shutil.copy2(file, tmp / file.name)
-            if self.files is not None:
-                self.files.tokenizer.save_pretrained(tmp)
-            about = {**meta["eval"], "step": meta["step"], "metric": self.rule.metric, "checkpoint": str(checkpoint)}
-            (tmp / BEST_FILE).write_text(json.dumps(about, indent=2) + "\n")
-            if self.check is not None:
-                checked.update(self.check.copied(checkpoint, tmp, best))
-
-        atomic_save_dir(best, write)
-        value = meta["eval"].get(self.rule.metric, math.nan)
-        its = {"adapter": "adapter is", "weights": "weights are"}[what_it_holds(best)]
-        log.info("step %d is the best so far (%s %.4f): its %s in %s", meta["step"], self.rule.metric, value, its, best)
-        return checked
-
-    def adopt_best(self, source_run: Path, best_step: int | None) -> None:
-        """Make ``best/`` hold the best step the resumed checkpoint's tracker names: from the resumed run's ``best/``
-        when it holds that step (a run resumed into a new folder), else from that run's checkpoint of the step (a save
-        cut short between the checkpoint and ``best/``); else leave it, and say so."""
-        if best_step is None or self.rule is None or self.rule.keep_best_n == 0:
-            return
-        target, source = self.run_dir / BEST, source_run / BEST
-        kept = source_run / "checkpoints" / f"step-{best_step:08d}"
-        if best_step_in(self.run_dir) == best_step:
-            return
-        if best_step_in(source_run) == best_step:
-
-            def carry(tmp: Path) -> None:  # verified against the checkpoint it was copied from, where that is kept
-                shutil.copytree(source, tmp, dirs_exist_ok=True)
-                if self.check is not None and (kept / MANIFEST).is_file():
-                    self.check.copied(kept, tmp, target)
-
-            atomic_save_dir(target, carry)
-        elif (kept / MANIFEST).is_file():
-            self._save_best(kept, {"step": best_step, "eval": read_manifest(kept).get("eval") or {}})
-        else:
-            log.warning(
-                "neither %s nor %s holds the best step %d: best/ waits for the next best", source, kept, best_step
-            )
-            return
-        log.info("the best so far (step %d) is in %s, as when the run stopped", best_step, target)
-
-    def _prune(self) -> None:
-        """Keep the newest ``keep_last_n`` checkpoints and the best ``keep_best_n`` (by their manifests)."""
-        complete = sorted(p for p in self.folder.iterdir() if STEP_DIR.match(p.name))
-        keep = set(complete[max(0, len(complete) - self.keep_last_n) :]) | set(self._best(complete))
-        for old in complete:
-            if old not in keep:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def _best(self, complete: list[Path]) -> list[Path]:
-        if self.rule is None or self.rule.keep_best_n == 0:
-            return []
-        scored = []
-        for folder in complete:
-            with contextlib.suppress(CheckpointError, OSError, ValueError):
-                evaluated = read_manifest(folder).get("eval") or {}
-                if self.rule.metric in evaluated:
-                    scored.append((float(evaluated[self.rule.metric]), folder))
-        return self.rule.best_first(scored)[: self.rule.keep_best_n]
-
-    def save_final(self, model: nn.Module) -> None:
-        """``<run>/adapter``: the final weights, the tokenizer (and a random-init LoRA base in ``<run>/base``), checked
-        as the run's last save (``checked`` holds the record)."""
-        assert self.files is not None, "the final weights carry the tokenizer: build the writer with files"
-        with rng_untouched():
-            self._save_final(model)
-
-    def _save_final(self, model: nn.Module) -> None:
-        self.files.ensure_base(self.run_dir)
-        adapter = self.run_dir / "adapter"
-        self.checked = checked = {}
-
-        def write(tmp: Path) -> None:
-            self._write_weights(model, tmp, with_tokenizer=True)
-            if self.check is not None:
-                checked.update(self.check.written(tmp, adapter, final=True))
-
-        atomic_save_dir(adapter, write)
-        log.info("saved the final weights to %s", adapter)
-
-
-class NullCheckpointWriter:
-    """What ranks other than 0 hold: every method does nothing."""
-
-    checked: dict[str, Any] = {}  # noqa: RUF012 (never written: rank 0 checks)
-
-    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any], final: bool = False) -> None:
-        """Rank 0 writes the checkpoint; this rank waits for it (``parallel.after_rank_zero``)."""
-
-    def save_final(self, model: nn.Module) -> None:
-        """Rank 0 writes the final weights; this rank waits for it (``parallel.after_rank_zero``)."""
-
-    def adopt_best(self, source_run: Path, best_step: int | None) -> None:
-        """Rank 0 carries ``best/`` over."""
-
-
-def build_writer(
-    is_rank_zero: bool, run_dir: Path, keep_last_n: int, **kwargs: Any
-) -> CheckpointWriter | NullCheckpointWriter:
-    """Rank 0's writer (``kwargs``: ``CheckpointWriter``'s), elsewhere a null one."""
-    return CheckpointWriter(run_dir, keep_last_n, **kwargs) if is_rank_zero else NullCheckpointWriter()
-
-
 def build_checkpointer(
     env: DistEnv,
     run_dir: Path,
@@ -477,6 +318,8 @@ def build_checkpointer(
     best checkpoints by ``best``'s rule): when ``trainer.save_check`` is on, rank 0's writer checks the weights it
     saves (``evaluation.save_check.build_save_checks``: the adapter's round trip runs on a probe of ``probe_rows``, a
     few training rows). The other arguments are ``Checkpointer``'s."""
+    from ddptrain.evaluation.save_check import SaveChecks, build_save_checks  # it imports the checkpoint's files
+
     check: SaveChecks | None = None
     if env.is_rank_zero:
         m = files.model_cfg

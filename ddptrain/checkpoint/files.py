@@ -1,7 +1,7 @@
 """A checkpoint's files: folders written atomically, the manifest that lists every file with its SHA-256, finding
 and verifying a complete checkpoint, and loading its weights and state safely (safetensors, ``weights_only``).
 
-``checkpoint.py`` decides what a checkpoint holds and when it is written; this module knows how the files are laid
+``checkpoint`` decides what a checkpoint holds and when it is written; this module knows how the files are laid
 out and read, for the checkpointer, the export and the tests alike (``checkpoint`` re-exports every name).
 """
 
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from ddptrain.checkpoint_format import FORMAT_VERSION, VERSION_KEY, upgrade_manifest
+from ddptrain.checkpoint.format import FORMAT_VERSION, VERSION_KEY, upgrade_manifest
 from ddptrain.config import ModelConfig, ModelInit
 from ddptrain.model import point_adapter_at_base, save_random_base
 
