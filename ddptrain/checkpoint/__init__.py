@@ -40,6 +40,7 @@ from ddptrain.checkpoint.files import (
     BEST_FILE,
     KNOWN_PREFIXES,
     MANIFEST,
+    SHARDED,
     STATE,
     STEP_DIR,
     WEIGHTS,
@@ -71,6 +72,7 @@ __all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFES
     "BEST_FILE",
     "KNOWN_PREFIXES",
     "MANIFEST",
+    "SHARDED",
     "STATE",
     "STEP_DIR",
     "WEIGHTS",
@@ -86,6 +88,7 @@ __all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFES
     "build_checkpointer",
     "build_writer",
     "check_same_data_order",
+    "check_same_strategy",
     "find_checkpoint",
     "load_state",
     "load_trainable_weights",
@@ -169,8 +172,9 @@ class Checkpointer:
             RuntimeError: the write or its check failed, on rank 0 or as rank 0 told the others (the previous
                 checkpoint is intact and named), or took longer than ``trainer.save_timeout_s``.
         """
+        sharded = parallel.is_sharded(self.weights)
         gathered = {name: parallel.all_gather_object(part.state_dict()) for name, part in self.per_rank.items()}
-        state = {"step": step, **{name: part.state_dict() for name, part in self.shared.items()}, **gathered}
+        state = {"step": step, **{name: part.state_dict() for name, part in self._shared(sharded).items()}, **gathered}
         meta = {
             "step": step,
             **state["sampler"],
@@ -181,7 +185,7 @@ class Checkpointer:
         if evaluated is not None:  # the pruning ranks checkpoints by these
             meta |= {"eval": evaluated, "best": self.best.best_step == step}
         try:
-            write = partial(self.writer.save, self.weights, state, meta, final=final)
+            write = partial(self.writer.save, self.weights, state, meta, final=final, **self._gather(step, sharded))
             what = f"save the checkpoint of step {step}"
             parallel.after_rank_zero(write, what, self.save_timeout_s, "trainer.save_timeout_s")
             self.saved_step = step
@@ -193,6 +197,23 @@ class Checkpointer:
                 f"saving the checkpoint of step {step} failed: {type(err).__name__}: {str(err).rstrip('.')}. "
                 f"The previous checkpoint is intact: {previous or 'none yet'}. {fix}"
             ) from err
+
+    def _shared(self, sharded: bool) -> dict[str, Stateful]:
+        """The parts the trainer state holds: a sharded model's optimizer state is in the shards instead."""
+        return {name: part for name, part in self.shared.items() if not (sharded and name == "optimizer")}
+
+    def _gather(self, step: int | None, sharded: bool) -> dict[str, Any]:
+        """A sharded model's (FSDP2) side of a save, on every rank: its trainable tensors gathered whole onto rank 0
+        (``whole``: ``weights/``, the save check) and, for a checkpoint (``step``), every rank's shards of them and
+        of the optimizer state written beside it (``sharded``: moved into the checkpoint by rank 0). A replica's:
+        nothing (rank 0 reads its own model)."""
+        if not sharded:
+            return {}
+        found = {"whole": parallel.whole_trainable(self.weights, self.env.rank)}
+        if step is not None:
+            staging = self.run_dir / "checkpoints" / f".step-{step:08d}.{SHARDED}"
+            found["sharded"] = parallel.save_shards(self.weights, self.shared["optimizer"], staging, self.env.rank)
+        return found
 
     def save_last(self, step: int, save_final: bool, checking: bool) -> dict[str, Any]:
         """The run's last checkpoint, at ``step``: saved with ``save_final`` (``adapter/`` follows), for a best or an
@@ -216,7 +237,7 @@ class Checkpointer:
         return {}
 
     def _check_saved(self, step: int) -> dict[str, Any]:
-        check = partial(self.writer.check_saved, step)
+        check = partial(self.writer.check_saved, step, **self._gather(None, parallel.is_sharded(self.weights)))
         parallel.after_rank_zero(
             check, f"check the checkpoint of step {step}", self.save_timeout_s, "trainer.save_timeout_s"
         )
@@ -231,7 +252,7 @@ class Checkpointer:
         Raises:
             RuntimeError: the write or its check failed, or took longer than ``trainer.save_timeout_s``.
         """
-        write = partial(self.writer.save_final, self.weights)
+        write = partial(self.writer.save_final, self.weights, **self._gather(None, parallel.is_sharded(self.weights)))
         what = f"save the final weights to {self.run_dir / 'adapter'}"
         parallel.after_rank_zero(write, what, self.save_timeout_s, "trainer.save_timeout_s")
         return {"step": step, **self.writer.checked} if self.writer.checked else {}
@@ -249,14 +270,19 @@ class Checkpointer:
         if folder is None:
             return None
         check_same_data_order(folder, self.fingerprint)  # find_checkpoint verified every file's hash
-        load_trainable_weights(self.weights, folder / WEIGHTS)
+        sharded = parallel.is_sharded(self.weights)
+        check_same_strategy(folder, sharded)
+        if sharded:
+            parallel.load_shards(self.weights, self.shared["optimizer"], folder / SHARDED)
+        else:
+            load_trainable_weights(self.weights, folder / WEIGHTS)
         fresh = {name: part.state_dict() for name, part in self.per_rank.items()}
         fresh_shared = {name: part.state_dict() for name, part in self.shared.items()}
         version = version_of(read_manifest(folder))
         state = upgrade_state(load_state(folder), version, fresh, self.env.world_size, fresh_shared)
         for name in state["missing"]:
             log.warning("%s keeps no %s: it starts afresh on resume", folder, name)
-        for name, part in self.shared.items():
+        for name, part in self._shared(sharded).items():
             part.load_state_dict(state[name])
         for name, part in self.per_rank.items():
             part.load_state_dict(state[name][self.env.rank])
@@ -280,6 +306,22 @@ def _fix_for(err: BaseException, run_dir: Path, noun: str) -> str:
     return (
         f"Free space in {run_dir} or point trainer.output_dir at a writable disk, and resume with "
         f"trainer.resume={run_dir}."
+    )
+
+
+def check_same_strategy(folder: Path, sharded: bool) -> None:
+    """Refuse a checkpoint of the other strategy: a sharded one (FSDP2) keeps its optimizer state in ``sharded/``.
+
+    Raises:
+        CheckpointError: naming the strategy each side uses and the way out.
+    """
+    if (folder / SHARDED).is_dir() == sharded:
+        return
+    saved, running = ("fsdp2", "ddp") if not sharded else ("ddp", "fsdp2")
+    raise CheckpointError(
+        f"{folder} was saved by a parallel.strategy={saved} run and this one is parallel.strategy={running}: its "
+        f"optimizer state is not in the form this run reads. Resume with parallel.strategy={saved}, or start a new "
+        f"run from its weights ({folder / WEIGHTS}) with trainer.resume=none."
     )
 
 

@@ -32,6 +32,9 @@ log = logging.getLogger("ddptrain.checkpoint")
 MANIFEST = "manifest.json"
 STATE = "trainer_state.pt"
 WEIGHTS = "weights"
+SHARDED = "sharded"
+"""A sharded model's checkpoint (FSDP2): every rank's shards of the trainable weights and of the optimizer state, as
+``torch.distributed.checkpoint`` writes them (``parallel.fsdp.save_shards``)."""
 STEP_DIR = re.compile(r"^step-(\d+)$")
 KNOWN_PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
 BEST, BEST_FILE = "best", "best.json"
@@ -108,9 +111,18 @@ class AdapterFiles:
     model_cfg: ModelConfig
     seed: int
 
-    def write(self, model: nn.Module, folder: Path, run_dir: Path, with_tokenizer: bool) -> None:
-        """The weights as ``save_pretrained`` writes them (an adapter points at its base), and the tokenizer."""
-        model.save_pretrained(folder, safe_serialization=True)
+    def write(
+        self,
+        model: nn.Module,
+        folder: Path,
+        run_dir: Path,
+        with_tokenizer: bool,
+        whole: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """The weights as ``save_pretrained`` writes them (an adapter points at its base), and the tokenizer;
+        ``whole``: the tensors to write, by ``state_dict`` key, where the model's own are shards (FSDP2)."""
+        # A copy: transformers' save_pretrained takes keys out of the dict it is given, and the check reads it next.
+        model.save_pretrained(folder, safe_serialization=True, state_dict=None if whole is None else dict(whole))
         if self.model_cfg.lora:
             point_adapter_at_base(folder, base_model_path(self.model_cfg, run_dir))
         if with_tokenizer:

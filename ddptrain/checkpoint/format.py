@@ -8,7 +8,10 @@ Versions this code reads (``READS``):
   ``skipped``); its data order lacks ``sources`` where the run had no mixture.
 - 2: the manifest says ``format_version: 2``; every per-rank part is there under its current name, but the state
   keeps no best evaluation (``best``: trainer.keep_best_n and early stopping came later).
-- 3 (``FORMAT_VERSION``): the state keeps ``best`` too; a manifest may carry the step's ``eval`` metrics.
+- 3: the state keeps ``best`` too; a manifest may carry the step's ``eval`` metrics.
+- 4 (``FORMAT_VERSION``): a sharded model's checkpoint (``parallel.strategy=fsdp2``) holds ``sharded/``, every
+  rank's shards of the trainable weights and of the optimizer state, and its state keeps no ``optimizer``; a
+  replica's is a version 3 one. Read as 3: a version-3 checkpoint has no ``sharded/`` and resumes a DDP run.
 
 ``upgrade_manifest`` and ``upgrade_state`` turn a checkpoint of any version in ``READS`` into the current shape, so
 the parts that load from it (the log window, the data order, the checkpointer) read one shape only. A checkpoint of
@@ -21,8 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 3
-READS = (1, 2, 3)
+FORMAT_VERSION = 4
+READS = (1, 2, 3, 4)
 VERSION_KEY = "format_version"
 
 

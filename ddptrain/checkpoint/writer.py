@@ -20,6 +20,7 @@ from ddptrain.checkpoint.files import (
     BEST,
     BEST_FILE,
     MANIFEST,
+    SHARDED,
     STATE,
     STEP_DIR,
     WEIGHTS,
@@ -67,10 +68,20 @@ class CheckpointWriter:
         self.checked: dict[str, Any] = {}
         """The record of the last save's check (``evaluation.save_check``): empty when none ran."""
 
-    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any], final: bool = False) -> Path:
+    def save(
+        self,
+        model: nn.Module,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        final: bool = False,
+        whole: dict[str, torch.Tensor] | None = None,
+        sharded: Path | None = None,
+    ) -> Path:
         """Write ``checkpoints/step-N`` (weights, trainer state, manifest last), point ``latest`` at it, copy its
         weights to ``best/`` when ``meta`` says it is the best, prune; ``checked`` holds the check's record
-        (``final``: the run's last save).
+        (``final``: the run's last save). A sharded model's (FSDP2): ``whole``, its trainable tensors gathered whole
+        (written to ``weights/`` and checked), and ``sharded``, the folder every rank wrote its shards of the
+        trainable weights and the optimizer to (``parallel.fsdp.save_shards``), moved in as ``sharded/``.
 
         Returns:
             The checkpoint folder.
@@ -79,16 +90,24 @@ class CheckpointWriter:
             Exception: whatever the write or the check raised; the previous checkpoints are untouched.
         """
         with rng_untouched():  # the check draws as it builds models: the run goes on as without it
-            return self._save(model, state, meta, final)
+            return self._save(model, state, meta, final, whole, sharded)
 
-    def check_saved(self, step: int) -> None:
+    def check_saved(self, step: int, whole: dict[str, torch.Tensor] | None = None) -> None:
         """The final save's check of ``checkpoints/step-N``, written before (``Checkpointer.check_last``)."""
         self.checked, weights = {}, self.folder / f"step-{step:08d}" / WEIGHTS
         if self.check is not None:
             with rng_untouched():
-                self.checked = self.check.written(weights, weights, final=True)
+                self.checked = self.check.written(weights, weights, final=True, whole=whole)
 
-    def _save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any], final: bool) -> Path:
+    def _save(
+        self,
+        model: nn.Module,
+        state: dict[str, Any],
+        meta: dict[str, Any],
+        final: bool,
+        whole: dict[str, torch.Tensor] | None,
+        sharded: Path | None,
+    ) -> Path:
         target = self.folder / f"step-{meta['step']:08d}"
         self.checked = checked = {}
         if self.files is not None:
@@ -97,9 +116,11 @@ class CheckpointWriter:
         best = bool(meta.get("best")) and self.rule is not None and self.rule.keep_best_n > 0  # copied to best/
 
         def write(tmp: Path) -> None:
-            self._write_weights(model, tmp / WEIGHTS, with_tokenizer=False)
+            self._write_weights(model, tmp / WEIGHTS, with_tokenizer=False, whole=whole)
             if self.check is not None:
-                checked.update(self.check.written(tmp / WEIGHTS, target / WEIGHTS, final, best))
+                checked.update(self.check.written(tmp / WEIGHTS, target / WEIGHTS, final, best, whole=whole))
+            if sharded is not None:
+                sharded.rename(tmp / SHARDED)
             torch.save(state, tmp / STATE)
             _write_manifest(tmp, meta)
 
@@ -115,11 +136,13 @@ class CheckpointWriter:
         self._prune()
         return target
 
-    def _write_weights(self, model: nn.Module, folder: Path, with_tokenizer: bool) -> None:
+    def _write_weights(
+        self, model: nn.Module, folder: Path, with_tokenizer: bool, whole: dict[str, torch.Tensor] | None = None
+    ) -> None:
         if self.files is None:
-            model.save_pretrained(folder, safe_serialization=True)
+            model.save_pretrained(folder, safe_serialization=True, state_dict=None if whole is None else dict(whole))
         else:
-            self.files.write(model, folder, self.run_dir, with_tokenizer)
+            self.files.write(model, folder, self.run_dir, with_tokenizer, whole)
 
     def _save_best(self, checkpoint: Path, meta: dict[str, Any]) -> dict[str, Any]:
         """``<run>/best``: the checkpoint's weights (a copy verified against its manifest, not checked again), the
@@ -190,22 +213,22 @@ class CheckpointWriter:
                     scored.append((float(evaluated[self.rule.metric]), folder))
         return self.rule.best_first(scored)[: self.rule.keep_best_n]
 
-    def save_final(self, model: nn.Module) -> None:
+    def save_final(self, model: nn.Module, whole: dict[str, torch.Tensor] | None = None) -> None:
         """``<run>/adapter``: the final weights, the tokenizer (and a random-init LoRA base in ``<run>/base``), checked
-        as the run's last save (``checked`` holds the record)."""
+        as the run's last save (``checked`` holds the record); ``whole``: a sharded model's, gathered (``save``)."""
         assert self.files is not None, "the final weights carry the tokenizer: build the writer with files"
         with rng_untouched():
-            self._save_final(model)
+            self._save_final(model, whole)
 
-    def _save_final(self, model: nn.Module) -> None:
+    def _save_final(self, model: nn.Module, whole: dict[str, torch.Tensor] | None) -> None:
         self.files.ensure_base(self.run_dir)
         adapter = self.run_dir / "adapter"
         self.checked = checked = {}
 
         def write(tmp: Path) -> None:
-            self._write_weights(model, tmp, with_tokenizer=True)
+            self._write_weights(model, tmp, with_tokenizer=True, whole=whole)
             if self.check is not None:
-                checked.update(self.check.written(tmp, adapter, final=True))
+                checked.update(self.check.written(tmp, adapter, final=True, whole=whole))
 
         atomic_save_dir(adapter, write)
         log.info("saved the final weights to %s", adapter)
@@ -216,16 +239,16 @@ class NullCheckpointWriter:
 
     checked: dict[str, Any] = {}  # noqa: RUF012 (never written: rank 0 checks)
 
-    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any], final: bool = False) -> None:
+    def save(self, model: nn.Module, state: dict[str, Any], meta: dict[str, Any], **kwargs: Any) -> None:
         """Rank 0 writes the checkpoint; this rank waits for it (``parallel.after_rank_zero``)."""
 
-    def save_final(self, model: nn.Module) -> None:
+    def save_final(self, model: nn.Module, whole: Any = None) -> None:
         """Rank 0 writes the final weights; this rank waits for it (``parallel.after_rank_zero``)."""
 
     def adopt_best(self, source_run: Path, best_step: int | None) -> None:
         """Rank 0 carries ``best/`` over."""
 
-    def check_saved(self, step: int) -> None:
+    def check_saved(self, step: int, whole: Any = None) -> None:
         """Rank 0 checks the checkpoint of ``step``."""
 
 

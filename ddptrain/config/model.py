@@ -14,7 +14,7 @@ from omegaconf import MISSING
 
 import ddptrain.config.checks as checks
 from ddptrain.config.checks import _looks_local, _positive
-from ddptrain.config.parallel import ParallelConfig
+from ddptrain.config.parallel import ParallelConfig, Strategy
 from ddptrain.config.trainer import Device, Precision, TrainerConfig
 
 
@@ -98,11 +98,15 @@ def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainerConfig) -> list[st
         problems += _check_flash_attention(m, t)
     if not 0.0 <= m.lora_dropout < 1.0:
         problems.append(f"model.lora_dropout={m.lora_dropout} must be in [0, 1).")
-    return problems + _check_precision(m, t) + _check_compile(m, p, t)
+    return problems + _check_precision(m, t, p) + _check_compile(m, p, t)
 
 
-def _check_precision(m: ModelConfig, t: TrainerConfig) -> list[str]:
-    """Weights whose dtype the run cannot train correctly: low-precision trainable weights, fp16 without a scaler."""
+def _check_precision(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -> list[str]:
+    """Weights whose dtype the run cannot train correctly: low-precision trainable weights, fp16 without a scaler.
+    Under parallel.strategy=fsdp2 a bf16 model's full fine-tune trains fp32 masters (``parallel.fsdp``)."""
+    sharded = p.strategy == Strategy.fsdp2
+    if m.dtype == DType.bf16 and not m.lora and sharded:
+        return []
     if m.dtype != DType.fp32 and not m.lora:
         # AdamW steps the weights in their own dtype: an update of 1e-5 on a bf16 weight of 0.02 (8 bits of
         # mantissa) rounds to nothing, and GradScaler refuses to unscale fp16 gradients.
@@ -110,7 +114,8 @@ def _check_precision(m: ModelConfig, t: TrainerConfig) -> list[str]:
         return [
             f"model.dtype={m.dtype.value} with model.lora=false makes the optimizer update {m.dtype.value} weights: "
             f"small updates round to nothing and the model silently stops learning{scaler}. Train fp32 weights under "
-            "autocast: model.dtype=fp32 trainer.precision=bf16 (or auto on a bf16 GPU), or keep model.lora=true."
+            "autocast: model.dtype=fp32 trainer.precision=bf16 (or auto on a bf16 GPU), or keep model.lora=true"
+            + (", or parallel.strategy=fsdp2 with model.dtype=bf16 (fp32 masters, sharded)." if not sharded else ".")
         ]
     if m.dtype == DType.fp16 and t.precision != Precision.fp16:
         # Without fp16 autocast there is no GradScaler: backward runs through fp16 activations unscaled, and

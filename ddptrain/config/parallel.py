@@ -10,7 +10,7 @@ from typing import Optional
 
 import ddptrain.config.checks as checks
 from ddptrain.config.checks import _positive
-from ddptrain.config.trainer import Device, TrainerConfig
+from ddptrain.config.trainer import Device, Precision, TrainerConfig
 
 
 class Backend(str, Enum):
@@ -101,6 +101,37 @@ def _check_parallel(p: ParallelConfig, t: TrainerConfig, grad_accum_steps: int) 
         )
     if p.max_restarts < 0:
         problems.append(f"parallel.max_restarts={p.max_restarts} must be 0 or more.")
+    return problems + _check_strategy(p, t)
+
+
+def _check_strategy(p: ParallelConfig, t: TrainerConfig) -> list[str]:
+    """What parallel.strategy=fsdp2 does not do (yet), and its keys set without it."""
+    if p.strategy != Strategy.fsdp2:
+        sharded_only = {
+            "parallel.cpu_offload=true": p.cpu_offload,
+            "parallel.reshard_after_forward=false": not p.reshard_after_forward,
+        }
+        return [
+            f"{setting} shards nothing under parallel.strategy=ddp: set parallel.strategy=fsdp2 (or drop it)."
+            for setting, given in sharded_only.items()
+            if given
+        ]
+    problems = []
+    if p.comm_hook != CommHook.none:
+        problems.append(
+            f"parallel.comm_hook={p.comm_hook.value} compresses DDP's all-reduce; parallel.strategy=fsdp2 "
+            "reduce-scatters in fp32: set parallel.comm_hook=none."
+        )
+    if t.compile:
+        problems.append(
+            "trainer.compile=true with parallel.strategy=fsdp2 is not supported yet: set trainer.compile=false "
+            "(or parallel.strategy=ddp)."
+        )
+    if t.precision == Precision.fp16:
+        problems.append(
+            "trainer.precision=fp16 with parallel.strategy=fsdp2 is not supported yet (its GradScaler has not been "
+            "proven on sharded gradients): use trainer.precision=bf16, which needs no scaler (or fp32)."
+        )
     return problems
 
 

@@ -43,7 +43,9 @@ class FullWeightsCheck:
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         self.model, self.dtype = model, dtype
 
-    def __call__(self, folders: list[tuple[Path, Path]]) -> dict[str, Any]:
+    def __call__(
+        self, folders: list[tuple[Path, Path]], whole: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, Any]:
         """Check each ``(folder as written, folder as the user will find it)``; the second names the files in errors.
 
         Returns:
@@ -52,7 +54,7 @@ class FullWeightsCheck:
         Raises:
             SaveCheckError: naming the file or the key and what is wrong with it.
         """
-        live = self.model.state_dict()
+        live = self.model.state_dict() if whole is None else whole  # whole: a sharded model's, gathered
         compared = 0
         with all_cores() as threads, unpatched():
             for folder, shown in folders:

@@ -37,15 +37,34 @@ def evaluate(
     tokens = 0
     was_training = loss_module.training
     loss_module.eval()
+    batches, idle = in_lockstep(loss_module, batches)
     with torch.no_grad(), autocast():
         for batch in batches:
             loss_sum, correct, n = loss_module.eval_sums(**batch_to_device(batch, device, compiled=False))
             sums += torch.stack([loss_sum.double(), correct.double()])
             tokens += n
+        for batch in idle:  # FSDP2: forwards whose all-gathers the ranks with more batches wait for; not counted
+            loss_module.eval_sums(**batch_to_device(batch, device, compiled=False))
     loss_module.train(was_training)
     totals = parallel.all_reduce_sum(torch.cat([sums.cpu(), torch.tensor([float(tokens)], dtype=torch.float64)]))
     loss_sum, correct, n = totals.tolist()
     return eval_record(loss_sum, correct, int(n))
+
+
+def in_lockstep(
+    loss_module: CausalLMLoss, batches: Iterable[dict[str, Any]]
+) -> tuple[Iterable[dict[str, Any]], list[dict[str, Any]]]:
+    """This rank's batches, and the forwards it runs after them uncounted so that every rank runs as many: a sharded
+    model's (FSDP2) every forward all-gathers each layer's weights from every rank, and the eval split's shards may
+    differ by a batch. A replica runs its own batches alone: (``batches``, nothing)."""
+    if not parallel.is_sharded(loss_module):
+        return batches, []
+    mine = list(batches)
+    most = max(parallel.all_gather_object(len(mine)))
+    spare = (
+        mine[-1] if mine else {"input_ids": torch.zeros((1, 1), dtype=torch.long), "labels": torch.full((1, 1), -100)}
+    )
+    return mine, [spare] * (most - len(mine))
 
 
 def eval_record(loss_sum: float, correct: float, tokens: int) -> dict[str, float]:

@@ -208,8 +208,14 @@ class PeftRoundTrip:
         self.base_loads = 0
         """How many times a check loaded the base (``from_pretrained``)."""
 
-    def __call__(self, folders: list[tuple[Path, Path]]) -> dict[str, Any]:
+    def __call__(
+        self, folders: list[tuple[Path, Path]], whole: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, Any]:
         """Check each ``(folder as written, folder as the user will find it)``; the second names the files in errors.
+        ``whole``: a sharded model's trainable tensors gathered whole (FSDP2: the training model's own are shards).
+        The model is then mirrored on the loaded base as a GPU run's is, from them; the base is not compared with
+        the training model's (sharded) and the merged model's weights are not checked one by one (the check reads
+        the training model's layers): its logits are measured.
 
         Returns:
             The record of the check: the folders, the largest logit difference of the adapter, the merged model's
@@ -220,22 +226,24 @@ class PeftRoundTrip:
             SaveCheckError: naming the file and what is wrong with it.
         """
         with all_cores() as threads, unpatched():
-            record = self._check(folders)
+            record = self._check(folders, whole)
         return {**record, "save_check_threads": threads}
 
-    def _check(self, folders: list[tuple[Path, Path]]) -> dict[str, Any]:
+    def _check(self, folders: list[tuple[Path, Path]], whole: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         from peft import PeftModel, get_peft_model_state_dict
 
-        live = get_peft_model_state_dict(self.model)
+        live = get_peft_model_state_dict(self.model, state_dict=whole)
         recorded = recorded_base(*folders[0])
-        base, was_kept = self._base(recorded)  # self.kept is None until this check passes
-        if self.on_cpu:
+        base, was_kept = self._base(recorded, on_host=self.on_cpu or whole is not None)  # None until this passes
+        if whole is not None:
+            reference = self._mirror_logits(base, live)
+        elif self.on_cpu:
             self._check_same_base(base, recorded, folders[0][1])
             reference = self._mirror_logits(base, live)
         else:
             reference = self._logits(self.model)
         self._warn_if_diverged(reference)
-        keep = self.keep_base and self._room_to_keep(base)
+        keep = self.keep_base and whole is None and self._room_to_keep(base)
         worst, merged = 0.0, {}
         for k, (folder, shown) in enumerate(folders):
             loaded = PeftModel.from_pretrained(base, str(folder))
@@ -243,7 +251,7 @@ class PeftRoundTrip:
             if k < len(folders) - 1:
                 base = loaded.unload()  # the base as it was: the next folder loads onto it
             else:
-                merged, base = self._check_merged(loaded, reference, shown, restore=keep)
+                merged, base = self._check_merged(loaded, reference, shown, restore=keep, weights=whole is None)
         self.kept = (recorded, base) if keep else None
         del base, loaded
         if torch.cuda.is_available():
@@ -262,7 +270,7 @@ class PeftRoundTrip:
         record = {"save_check_round_trip": names, "save_check_max_abs_diff": worst, **merged}
         return {**record, "save_check_base_kept": int(was_kept)}
 
-    def _base(self, recorded: str) -> tuple[nn.Module, bool]:
+    def _base(self, recorded: str, on_host: bool) -> tuple[nn.Module, bool]:
         """The copy of the base the adapter names, and whether it was kept from the last check (else it loads now).
         Taking it clears ``kept``: a check that fails half-way (the adapter injected, the merge half done) must not
         leave it for the next."""
@@ -272,7 +280,7 @@ class PeftRoundTrip:
         del kept  # another base: let the old copy go before the new one loads
         from transformers import AutoModelForCausalLM
 
-        device = torch.device("cpu") if self.on_cpu else next(self.model.parameters()).device
+        device = torch.device("cpu") if on_host else next(self.model.parameters()).device
         model = AutoModelForCausalLM.from_pretrained(recorded, dtype=self.dtype, attn_implementation=self.attn)
         self.base_loads += 1
         return model.to(device), False
@@ -284,7 +292,7 @@ class PeftRoundTrip:
         return available is not None and available >= KEEP_BASE_ROOM * held
 
     def _check_merged(
-        self, loaded: nn.Module, reference: torch.Tensor, shown: Path, restore: bool
+        self, loaded: nn.Module, reference: torch.Tensor, shown: Path, restore: bool, weights: bool = True
     ) -> tuple[dict[str, Any], nn.Module]:
         """Merge the loaded adapter (``merge_and_unload``), check its weights and measure its logits; returns the
         record and the base (with ``restore``, its own weights again: the merge wrote into them).
@@ -302,7 +310,7 @@ class PeftRoundTrip:
                 f"{shown / ADAPTER_FILE}: merged into its base with plain peft (merge_and_unload), the model still "
                 f"holds LoRA layers ({few_keys(left)}). {MERGE_ADVICE}"
             )
-        compared, worst = self._check_merged_weights(merged, shown, restore)
+        compared, worst = self._check_merged_weights(merged, shown, restore) if weights else (0, 0.0)
         drift = self._compare(self._logits(merged), reference, shown, merged=True)
         record = {
             "save_check_merged_weights": compared,

@@ -66,16 +66,17 @@ class ReadBack:
         self.model, self.base = model, base
         self.lora = hasattr(model, "peft_config")
 
-    def live(self) -> dict[str, torch.Tensor]:
+    def live(self, whole: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The trainable tensors as a plain load reads them: the adapter's under the keys peft saves them
-        (``get_peft_model_state_dict``), or the whole ``state_dict`` of a full fine-tune."""
+        (``get_peft_model_state_dict``), or the whole ``state_dict`` of a full fine-tune; from ``whole`` where given
+        (a sharded model's trainable tensors gathered whole, by ``state_dict`` key: FSDP2)."""
         if not self.lora:
-            return self.model.state_dict()
+            return self.model.state_dict() if whole is None else whole
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self.model)
+        return get_peft_model_state_dict(self.model, state_dict=whole)
 
-    def __call__(self, folder: Path, shown: Path) -> int:
+    def __call__(self, folder: Path, shown: Path, whole: dict[str, torch.Tensor] | None = None) -> int:
         """Read ``folder``'s files back and compare them with the live tensors; ``shown`` names the folder in errors
         (where the user will find it).
 
@@ -85,7 +86,7 @@ class ReadBack:
         Raises:
             SaveCheckError: naming the file, the key and what is wrong with it.
         """
-        live = self.live()
+        live = self.live(whole)
         if self.lora:
             check_keys(folder, shown, live)
             check_adapter_config(folder, shown, self.model, self.base)

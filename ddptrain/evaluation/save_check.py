@@ -65,9 +65,17 @@ class SaveChecks:
         assert mode != SaveCheckMode.off, "trainer.save_check=off: build no SaveChecks"
         self.mode, self.read_back, self.round_trip = mode, read_back, round_trip
 
-    def written(self, folder: Path, shown: Path, final: bool, best: bool = False) -> dict[str, Any]:
+    def written(
+        self,
+        folder: Path,
+        shown: Path,
+        final: bool,
+        best: bool = False,
+        whole: dict[str, torch.Tensor] | None = None,
+    ) -> dict[str, Any]:
         """Check the weights just written to ``folder`` (``shown``: where the user will find them); ``final``: the last
-        save of the run; ``best``: they are copied to ``best/`` next (``copied`` trusts what is checked here).
+        save of the run; ``best``: they are copied to ``best/`` next (``copied`` trusts what is checked here);
+        ``whole``: a sharded model's trainable tensors, gathered whole (FSDP2), checked against instead of its own.
 
         Returns:
             The record of the check (empty when the mode checks nothing at this save): its seconds, the folders read
@@ -79,11 +87,12 @@ class SaveChecks:
         if self.mode == SaveCheckMode.final and not (final or best):
             return {}
         start = time.perf_counter()
-        tensors = self.read_back(folder, shown)
+        given = {} if whole is None else {"whole": whole}
+        tensors = self.read_back(folder, shown, **given)
         log.info("save check: %s read back as trained, bit for bit (%d tensors)", shown, tensors)
         record: dict[str, Any] = {"save_check_folders": [str(shown)], "save_check_tensors": tensors}
         if final or self.mode == SaveCheckMode.full:
-            record |= self.round_trip([(folder, shown)])
+            record |= self.round_trip([(folder, shown)], **given)
         return {"save_check_s": time.perf_counter() - start, **record}
 
     def copied(self, checkpoint: Path, folder: Path, shown: Path) -> dict[str, Any]:

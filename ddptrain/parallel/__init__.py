@@ -6,7 +6,8 @@ A world of one process still gets a (local, in-memory) process group, so the sam
 collectives work in a single-process run and cost nothing there.
 
 ``group`` forms and leaves the process group, ``ddp`` wraps the model and counts what its all-reduce sends,
-``collectives`` holds the collectives and the checks built on them.
+``fsdp`` shards it instead (``parallel.strategy=fsdp2``) and counts its all-gathers and reduce-scatters, ``wrap``
+picks between them, ``collectives`` holds the collectives and the checks built on them.
 """
 
 # ruff: noqa: F401  (the package re-exports its modules' names: callers write parallel.<name>)
@@ -28,12 +29,8 @@ from ddptrain.parallel.collectives import (
     wait_for_device,
     weights_checksum,
 )
-from ddptrain.parallel.ddp import (
-    CommCounter,
-    grad_sync,
-    wrap_model,
-)
-from ddptrain.parallel.fsdp import gathered, is_sharded
+from ddptrain.parallel.ddp import CommCounter
+from ddptrain.parallel.fsdp import gathered, is_sharded, load_shards, save_shards, whole_trainable
 from ddptrain.parallel.group import (
     FAILED_EXIT_GRACE_S,
     NCCL_GRACE_MIN_S,
@@ -50,3 +47,4 @@ from ddptrain.parallel.group import (
     timeout_grace_s,
     torchrun_round,
 )
+from ddptrain.parallel.wrap import grad_sync, wrap_model

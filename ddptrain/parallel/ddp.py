@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddptrain.config import CommHook, ParallelConfig, Strategy
+from ddptrain.config import CommHook, ParallelConfig
 from ddptrain.parallel.collectives import check_replicas_agree
 from ddptrain.parallel.group import DistEnv, wrapped
 
@@ -67,26 +67,14 @@ class CommCounter:
         return times
 
 
-def wrap_model(
-    model: nn.Module,
-    cfg: ParallelConfig,
-    env: DistEnv,
-    counter: CommCounter | None = None,
-    compute_dtype: torch.dtype | None = None,
-) -> nn.Module:
-    """Wrap in DDP when there is more than one rank; a single process gets the model back. With
-    ``parallel.strategy=fsdp2`` shard it instead, in place, whatever the world size (``parallel.fsdp``; its units
-    gather their weights in ``compute_dtype``).
+def wrap_ddp(model: nn.Module, cfg: ParallelConfig, env: DistEnv, counter: CommCounter | None = None) -> nn.Module:
+    """Wrap in DDP when there is more than one rank; a single process gets the model back.
 
     The communication hook (plain all-reduce unless parallel.comm_hook says otherwise) is
     registered here and counts into ``counter`` every bucket it handles and the bytes of
     every tensor it hands to the all-reduce. Skipped micro-steps (``grad_sync(enabled=False)``)
     run no hook at all.
     """
-    if cfg.strategy == Strategy.fsdp2:
-        from ddptrain.parallel.fsdp import shard_model
-
-        return shard_model(model, cfg, env, counter or CommCounter(), compute_dtype)
     if env.world_size == 1:
         return model
     # Every rank built or loaded the same weights (same seed, same files). DDP would broadcast all of
@@ -228,19 +216,13 @@ def _powersgd_hook(counter: CommCounter) -> Any:
 
 
 @contextlib.contextmanager
-def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+def ddp_grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Within this block, backward all-reduces gradients only if ``enabled``.
 
     Accumulation micro-steps run with enabled=False (DDP's ``no_sync``); the last
     micro-step of an optimizer step syncs the accumulated gradients once. ``model`` may be
     torch.compile's wrapper around DDP: its forward still runs DDP's, which reads the flag.
     """
-    from ddptrain.parallel.fsdp import is_sharded, no_reduce_scatter
-
-    if is_sharded(model):
-        with no_reduce_scatter(model, enabled):
-            yield
-        return
     ddp = _find_ddp(model)
     if enabled or ddp is None:
         yield

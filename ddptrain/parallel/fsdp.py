@@ -16,13 +16,17 @@ the reduce-scatter averages over ranks, which leaves exactly the global token me
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.tensor import DTensor
 
 from ddptrain.config import ParallelConfig
 from ddptrain.parallel.collectives import check_replicas_agree
@@ -114,7 +118,60 @@ def _count(unit: FSDPModule, counter: CommCounter, last: bool) -> None:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    """The model, or the module its parameters belong to, is sharded (FSDP2): its parameters are DTensors."""
+    return isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def whole_trainable(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """A sharded model's trainable tensors, gathered whole onto rank 0's host, by ``state_dict`` key (a tied key
+    too, the same tensor): what a replica's ``state_dict`` would give for them. Every rank calls it (one all-gather
+    per tensor); the others get an empty dict. Frozen weights (a LoRA base) are not gathered."""
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    gathered: dict[int, torch.Tensor] = {}
+    whole = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in trainable:
+            continue
+        if id(tensor) not in gathered:
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            gathered[id(tensor)] = full.detach().to("cpu", copy=True) if rank == 0 else full[:0]
+        whole[key] = gathered[id(tensor)]
+    return whole if rank == 0 else {}
+
+
+def _sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    weights, optim = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    return {"model": weights, "optimizer": optim}
+
+
+def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, rank: int) -> Path:
+    """Every rank writes its shards of the trainable weights and of the optimizer state to ``folder``
+    (``torch.distributed.checkpoint``: a file per rank, the metadata last, by rank 0). Every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)  # what an interrupted save left: not mixed into this one
+    dist.barrier()
+    dcp.save(_sharded_state(model, optimizer), checkpoint_id=folder)
+    return folder
+
+
+def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Load what ``save_shards`` wrote into the sharded model and its optimizer, on any number of ranks
+    (``torch.distributed.checkpoint`` cuts each tensor for this layout). Every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = _sharded_state(model, optimizer)
+    dcp.load(state, checkpoint_id=folder)
+    # Not strict: the frozen weights (a LoRA base) come from where the run built them, not from the checkpoint; every
+    # trainable one is in ``state``, and dcp.load refused a checkpoint that lacks any of them.
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+    )
 
 
 @contextlib.contextmanager

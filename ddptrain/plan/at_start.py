@@ -147,11 +147,11 @@ def _summary(p: Prediction) -> str:
 def _one_line(plan: MemoryPlan) -> str:
     """The refusal as one line (the launcher reports each rank's last line): the overflow, the fix, the override."""
     over = (plan.worst - plan.device_bytes) / GIB
-    evaluation = plan.peak(plan.eval) if plan.eval else 0  # the levers re-plan training only
+    evaluation = plan.peak(plan.eval) if plan.eval else 0  # most levers re-plan training only
     fixes = [
         f"{lever.overrides} ({lever.peak / GIB:.2f} GiB)"
         for lever in sorted(plan.levers, key=lambda lever: lever.peak)
-        if max(lever.peak, evaluation) <= plan.device_bytes
+        if max(lever.peak, evaluation if lever.eval_peak is None else lever.eval_peak) <= plan.device_bytes
     ]
     largest = plan.largest_on_data
     if largest and not largest.startswith("nothing") and evaluation <= plan.device_bytes:

@@ -1,7 +1,8 @@
 """The memory plan: each rank's predicted peak, broken down, against its device; what fits; the levers.
 
-Per rank, a training step's peak is the memory held all run long (the weights by dtype; the trainable parameters'
-gradients, which live in DDP's buckets; AdamW's two states per trainable parameter; a CUDA process's fixed costs)
+Per rank, a training step's peak is the memory held all run long (under DDP the weights by dtype, the trainable
+parameters' gradients, which live in DDP's buckets, and AdamW's two states per trainable parameter; under FSDP2 this
+rank's shards of them and the layers it gathers (``strategy.py``); a CUDA process's fixed costs)
 plus what the rank's costliest micro-batch needs on top: the activations kept for backward and the transients of
 its forward and backward (the LM head's logits chunk, a checkpointed layer recomputed, gradients in flight), both
 simulated (``simulate.py``) on the micro-batches the run's own plan gives that rank (``batches.py``). Evaluation
@@ -50,6 +51,7 @@ class Lever:
     overrides: str  # what to type
     peak: int  # the fullest rank's predicted peak with it
     note: str = ""
+    eval_peak: int | None = None  # the evaluation peak with it, where it changes what a rank holds; None: the plan's
 
 
 @dataclass
@@ -60,12 +62,15 @@ class MemoryPlan:
     device: str
     device_bytes: int | None
     world_size: int
-    weights: dict[str, int]  # by dtype
+    weights: dict[str, int]  # by dtype (parallel.strategy=fsdp2: this rank's shards)
     trainable: int  # parameters
     gradients: int
     optimizer: int
     fixed: dict[str, int]  # by name (fixed_costs)
     ranks: list[StepPeak]
+    strategy: str = "ddp"  # parallel.strategy
+    sharding: dict[str, int] = dataclasses.field(default_factory=dict)  # fsdp2's rows beyond the shards (strategy.py)
+    host: int = 0  # bytes in host memory instead of the device (parallel.cpu_offload=true)
     slack_share: float = 0.0  # the caching allocator's, on a GPU (plan.allocator_slack)
     limit_source: str = ""  # where device_bytes comes from, in words
     eval: StepPeak | None = None
@@ -76,8 +81,9 @@ class MemoryPlan:
 
     @property
     def held(self) -> int:
-        """Held all run long: weights, gradients, optimizer states and fixed costs."""
-        return sum(self.weights.values()) + self.gradients + self.optimizer + sum(self.fixed.values())
+        """Held all run long: weights, gradients, optimizer states, fsdp2's gathered layers and buffers, fixed costs."""
+        tensors = sum(self.weights.values()) + self.gradients + self.optimizer + sum(self.sharding.values())
+        return tensors + sum(self.fixed.values())
 
     def slack(self, allocated: int) -> int:
         return int(self.slack_share * allocated)
@@ -116,15 +122,6 @@ class MemoryPlan:
     @property
     def fits(self) -> bool | None:
         return None if self.device_bytes is None else self.worst <= self.device_bytes
-
-
-def held_memory(model: FakeModel, cfg: RunConfig, world_size: int) -> tuple[dict[str, int], int, int, int]:
-    """(weights by dtype, trainable parameters, gradient bytes, optimizer-state bytes) of one rank."""
-    trainable, grad_bytes = model.trainable_parameters()
-    # DDP's buckets hold the gradients; without gradient_as_bucket_view each gradient is a second copy.
-    copies = 2 if world_size > 1 and not cfg.parallel.gradient_as_bucket_view else 1
-    optimizer = 2 * grad_bytes  # AdamW: exp_avg and exp_avg_sq, in each parameter's dtype
-    return model.parameter_bytes(), trainable, copies * grad_bytes, optimizer
 
 
 def fixed_costs(cfg: PlanConfig, device: str, world_size: int) -> dict[str, int]:

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from transformers import PretrainedConfig
 
-from ddptrain.config import Batching, RunConfig
+from ddptrain.config import Batching, RunConfig, Strategy
 from ddptrain.data.loader import build_batching_spec
 from ddptrain.data.plan import BatchingSpec, plan_epoch
 from ddptrain.data.tokenized import TokenizedData
@@ -28,7 +28,6 @@ from ddptrain.plan.budget import (
     device_limit,
     eval_peak,
     fixed_costs,
-    held_memory,
     largest_fitting,
     planned_device,
     precision_of,
@@ -36,6 +35,7 @@ from ddptrain.plan.budget import (
     step_peak,
 )
 from ddptrain.plan.simulate import FakeModel
+from ddptrain.plan.strategy import OFFLOAD, RESHARD, Held, held_memory, step_model
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,10 @@ def make_plan(
     fixed = fixed_costs(cfg.plan, device, world_size)  # first: the resident set before the fake model is built
     config = architecture_config(cfg.model)
     precision = precision_of(cfg, device)
-    model = FakeModel(config, cfg.model, precision, compiled=cfg.trainer.compile)
+    built = FakeModel(config, cfg.model, precision, compiled=cfg.trainer.compile)
+    model = step_model(built, config, cfg, precision)  # fsdp2: computed on its gathered copies, in param_dtype
     spec = build_batching_spec(cfg.data, world_size, cfg.optim.grad_accum_steps, cfg.trainer.seed)
-    weights, trainable, gradients, optimizer = held_memory(model, cfg, world_size)
+    held = held_memory(built, cfg, world_size, spec.grad_accum_steps, device, precision)
     measured, source = device_limit(cfg.plan, device, gpus)
     limit = measured if limit is None else limit
     plan = MemoryPlan(
@@ -71,17 +72,15 @@ def make_plan(
         device_bytes=limit,
         limit_source=source,
         world_size=world_size,
-        weights=weights,
-        trainable=trainable,
-        gradients=gradients,
-        optimizer=optimizer,
         fixed=fixed,
         slack_share=cfg.plan.allocator_slack if device == "cuda" else 0.0,
         ranks=_rank_peaks(model, _of(training_candidates(data, spec, epochs_to_search(cfg, data, spec)), only_ranks)),
+        strategy=cfg.parallel.strategy.value,
+        **_held_fields(held),
     )
     evaluated = eval_candidate(data, cfg.data.micro_batch_size, world_size, spec)
     plan.eval = eval_peak(model, evaluated) if evaluated else None
-    plan.save_check = save_check_bytes(model, cfg, config.vocab_size, device)
+    plan.save_check = save_check_bytes(built, cfg, config.vocab_size, device)
     if with_levers:
         plan.largest, plan.largest_on_data = largest_settings(plan, model, cfg, data, spec)
         plan.levers = levers(plan, cfg, data, spec, config, model)
@@ -131,6 +130,11 @@ def epochs_to_search(cfg: RunConfig, data: TokenizedData, spec: BatchingSpec) ->
     return epochs if cfg.plan.max_epochs == 0 else min(epochs, cfg.plan.max_epochs)
 
 
+def _held_fields(held: Held) -> dict[str, object]:
+    """``Held`` as the fields of a ``MemoryPlan``."""
+    return dataclasses.asdict(held)
+
+
 def _of(candidates: list[Candidate], ranks: set[int] | None) -> list[Candidate]:
     return candidates if ranks is None else [c for c in candidates if c.rank in ranks]
 
@@ -155,7 +159,7 @@ def levers(
     model: FakeModel,
 ) -> list[Lever]:
     """What each setting ddptrain offers would make of the fullest rank's peak, simulated, not estimated."""
-    m = cfg.model
+    m, p = cfg.model, cfg.parallel
     found = []
     fullest = [plan.fullest.candidate]
     if not m.gradient_checkpointing:
@@ -168,7 +172,19 @@ def levers(
         found.append(
             _model_lever(plan, cfg, config, fullest, f"model.lora_rank={m.lora_rank // 2}", lora_rank=m.lora_rank // 2)
         )
-    found += _batch_levers(plan, cfg, data, spec, model)
+    # Sharding is slower than a replica (a layer's weights all-gathered in forward and again in backward): named only
+    # where the replica does not fit.
+    if p.strategy == Strategy.ddp and plan.world_size > 1 and plan.fits is False:
+        note = f"each rank 1/{plan.world_size} of the weights, gradients and AdamW states; layers gathered per use"
+        found.append(_parallel_lever(plan, cfg, config, "parallel.strategy=fsdp2", note, strategy=Strategy.fsdp2))
+    if p.strategy == Strategy.fsdp2 and not p.reshard_after_forward:
+        found.append(_parallel_lever(plan, cfg, config, f"{RESHARD}=true", "", reshard_after_forward=True))
+    if p.strategy == Strategy.fsdp2 and not p.cpu_offload:
+        note = "the optimizer steps on the CPU"
+        found.append(_parallel_lever(plan, cfg, config, f"{OFFLOAD}=true", note, cpu_offload=True))
+    # FSDP2 holds every unit's unsharded gradients between the micro-steps of an accumulation (no-sync).
+    more = plan if p.strategy == Strategy.ddp else _replanned_held(plan, cfg, config, spec.grad_accum_steps * 2)[0]
+    found += _batch_levers(plan, more, cfg, data, spec, model)
     # A lever that saves under 1% of the peak is no lever.
     return [lever for lever in found if lever.peak < 0.99 * plan.peak(plan.fullest)]
 
@@ -177,17 +193,48 @@ def _model_lever(
     plan: MemoryPlan, cfg: RunConfig, config: PretrainedConfig, candidates, overrides: str, **changes
 ) -> Lever:
     changed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))
-    model = FakeModel(config, changed.model, precision_of(cfg, plan.device), compiled=cfg.trainer.compile)
-    weights, _, gradients, optimizer = held_memory(model, changed, plan.world_size)
-    other = dataclasses.replace(plan, weights=weights, gradients=gradients, optimizer=optimizer)
+    other, model = _replanned_held(plan, changed, config)
     return Lever(overrides, max(other.peak(step_peak(model, c)) for c in candidates))
 
 
+def _parallel_lever(
+    plan: MemoryPlan, cfg: RunConfig, config: PretrainedConfig, overrides: str, note: str, **changes
+) -> Lever:
+    """The same run with ``changes`` to cfg.parallel: its fullest rank's training peak, and its evaluation peak
+    (what a rank holds changes both)."""
+    changed = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **changes))
+    other, model = _replanned_held(plan, changed, config)
+    evaluation = other.peak(eval_peak(model, plan.eval.candidate)) if plan.eval else None
+    return Lever(overrides, other.peak(step_peak(model, plan.fullest.candidate)), note, eval_peak=evaluation)
+
+
+def _replanned_held(
+    plan: MemoryPlan, cfg: RunConfig, config: PretrainedConfig, grad_accum_steps: int | None = None
+) -> tuple[MemoryPlan, FakeModel]:
+    """``plan`` with what a rank holds under ``cfg`` instead, and the model a micro-step of ``cfg`` computes with."""
+    precision = precision_of(cfg, plan.device)
+    built = FakeModel(config, cfg.model, precision, compiled=cfg.trainer.compile)
+    accumulation = grad_accum_steps or _accumulation(cfg, plan.world_size)
+    held = held_memory(built, cfg, plan.world_size, accumulation, plan.device, precision)
+    other = dataclasses.replace(plan, strategy=cfg.parallel.strategy.value, **_held_fields(held))
+    return other, step_model(built, config, cfg, precision)
+
+
+def _accumulation(cfg: RunConfig, world_size: int) -> int:
+    return build_batching_spec(cfg.data, world_size, cfg.optim.grad_accum_steps, cfg.trainer.seed).grad_accum_steps
+
+
 def _batch_levers(
-    plan: MemoryPlan, cfg: RunConfig, data: TokenizedData, spec: BatchingSpec, model: FakeModel
+    plan: MemoryPlan,
+    accumulating: MemoryPlan,
+    cfg: RunConfig,
+    data: TokenizedData,
+    spec: BatchingSpec,
+    model: FakeModel,
 ) -> list[Lever]:
-    """A smaller micro-batch with more accumulation (the same global batch), and a shorter data.max_length where
-    rows are longer: each re-planned on epoch 0 of the data."""
+    """A smaller micro-batch with more accumulation (the same global batch; ``accumulating``: what a rank holds with
+    twice the accumulation), and a shorter data.max_length where rows are longer: each re-planned on epoch 0 of the
+    data."""
     d, found = cfg.data, []
     # optim.global_batch_size derives the accumulation: naming it too would be refused ("both set").
     accumulate = "" if cfg.optim.global_batch_size else f" optim.grad_accum_steps={spec.grad_accum_steps * 2}"
@@ -195,13 +242,12 @@ def _batch_levers(
         smaller = dataclasses.replace(
             spec, micro_batch_size=d.micro_batch_size // 2, grad_accum_steps=spec.grad_accum_steps * 2
         )
-        found.append(
-            _replanned(plan, model, data, smaller, f"data.micro_batch_size={d.micro_batch_size // 2}{accumulate}")
-        )
+        overrides = f"data.micro_batch_size={d.micro_batch_size // 2}{accumulate}"
+        found.append(_replanned(accumulating, model, data, smaller, overrides))
     elif d.batching in (Batching.token_budget, Batching.packed) and d.max_tokens_per_batch // 2 >= d.max_length:
         half = d.max_tokens_per_batch // 2
         smaller = dataclasses.replace(spec, max_tokens_per_batch=half, grad_accum_steps=spec.grad_accum_steps * 2)
-        found.append(_replanned(plan, model, data, smaller, f"data.max_tokens_per_batch={half}{accumulate}"))
+        found.append(_replanned(accumulating, model, data, smaller, f"data.max_tokens_per_batch={half}{accumulate}"))
     shorter = d.max_length // 2
     if shorter >= 16 and max(data.train["length"]) > shorter:
         found.append(_replanned(plan, model, data, spec, f"data.max_length={shorter}", max_length=shorter))

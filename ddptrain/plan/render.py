@@ -19,20 +19,33 @@ def _shape(step: StepPeak) -> str:
     return f"{layout}, {s.targets} trained ({step.candidate.where})"
 
 
-def render_plan(plan: MemoryPlan, title: str) -> str:
-    """The per-rank breakdown (GiB), the eval peak, the verdict, the largest batch that fits and the levers."""
-    lines = [title, ""]
-    header = f"{'GiB per rank':<{LABEL}}" + "".join(f"{'rank ' + str(s.candidate.rank):>10}" for s in plan.ranks)
-    lines.append(header)
+def strategy_line(plan: MemoryPlan) -> str:
+    """What each rank holds under parallel.strategy, in words."""
+    if plan.strategy != "fsdp2":
+        return "parallel.strategy=ddp: every rank holds the whole model, its gradients and AdamW's states"
+    where = "in host memory (parallel.cpu_offload=true)" if plan.host else "on the device"
+    return (
+        f"parallel.strategy=fsdp2: every rank holds 1/{plan.world_size} of the weights (trainable ones as fp32 "
+        f"masters), of their gradients and of AdamW's states {where}, and gathers the layers it computes"
+    )
+
+
+def _breakdown(plan: MemoryPlan) -> list[str]:
+    """The table: one row per thing a rank holds, one column per rank (GiB)."""
+    width = max([LABEL, *(len(name) + 2 for name in [*plan.sharding, *plan.fixed])])
+    lines = [f"{'GiB per rank':<{width}}" + "".join(f"{'rank ' + str(s.candidate.rank):>10}" for s in plan.ranks)]
 
     def row(label: str, values: list[int]) -> None:
-        lines.append(f"{label:<{LABEL}}" + "".join(f"{_gib(v):>10}" for v in values))
+        lines.append(f"{label:<{width}}" + "".join(f"{_gib(v):>10}" for v in values))
 
     n = len(plan.ranks)
+    shard = f", 1/{plan.world_size}" if plan.strategy == "fsdp2" else ""
     for dtype, size in sorted(plan.weights.items()):
-        row(f"weights ({dtype})", [size] * n)
-    row(f"gradients ({plan.trainable:,} trainable)", [plan.gradients] * n)
-    row("optimizer states (AdamW)", [plan.optimizer] * n)
+        row(f"weights{shard} ({dtype})", [size] * n)
+    row(f"gradients{shard} ({plan.trainable:,} trainable)", [plan.gradients] * n)
+    row(f"optimizer states{shard} (AdamW)", [plan.optimizer] * n)
+    for name, size in plan.sharding.items():
+        row(name, [size] * n)
     row("activations kept for backward", [s.activations for s in plan.ranks])
     row("transient (LM head, backward)", [s.transient for s in plan.ranks])
     for name, size in plan.fixed.items():
@@ -43,7 +56,17 @@ def render_plan(plan: MemoryPlan, title: str) -> str:
             [plan.peak(s) - plan.held - s.activations - s.transient for s in plan.ranks],
         )
     row("peak", [plan.peak(s) for s in plan.ranks])
-    lines.append("")
+    return lines
+
+
+def render_plan(plan: MemoryPlan, title: str) -> str:
+    """The per-rank breakdown (GiB), the eval peak, the verdict, the largest batch that fits and the levers."""
+    lines = [title, strategy_line(plan), "", *_breakdown(plan), ""]
+    if plan.host:
+        lines.append(
+            f"in host memory (parallel.cpu_offload=true), beside the table: {_gib(plan.host)} GiB per rank of "
+            "shards, their gradients and AdamW's states"
+        )
     if RESIDENT_AT_START in plan.fixed:
         lines.append(
             "resident at start: this process before any weight loads (interpreter, libraries, tokenized data), "

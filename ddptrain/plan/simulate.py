@@ -79,6 +79,12 @@ class FakeModel:
         two, three = (measure(model) for model in self.cut)
         return two + (self.layers - 2) * (three - two)
 
+    def carried(self, measure: Callable[[nn.Module], int]) -> int:
+        """``measure`` of the run's module (``CausalLMLoss``) at each simulated depth, carried on to the model's own
+        depth: for a measure of the whole model its value at full depth, for one of a unit (a layer, the root) that
+        unit's."""
+        return self._extend(lambda m: measure(m.module))
+
     def parameter_bytes(self) -> dict[str, int]:
         """Bytes of the parameters by dtype name ("bfloat16", "float32")."""
         names = {str(p.dtype).removeprefix("torch.") for p in (self.whole or self.cut[0]).module.parameters()}

@@ -230,15 +230,21 @@ BEST_FIRST = "trainer.greater_is_better=true"  # on a falling eval loss: the fir
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_restart_run(tmp_path_factory) -> Callable[[bool], Path]:
-    """The runs the killed runs must end bit-identical to, with the best first (``BEST_FIRST``) or last (trained once
-    each for the module, in this process: what it is compared with is the command line's)."""
-    runs: dict[bool, Path] = {}
+def uninterrupted_restart_run(tmp_path_factory) -> Callable[[bool, str], Path]:
+    """The runs the killed runs must end bit-identical to, with the best first (``BEST_FIRST``) or last, under each
+    parallel.strategy (trained once each for the module, in this process: what it is compared with is the command
+    line's)."""
+    runs: dict[tuple[bool, str], Path] = {}
 
-    def reference(best_first: bool) -> Path:
-        if best_first not in runs:
-            args = ["parallel=ddp2", *RESTART_ARGS, *([BEST_FIRST] if best_first else [])]
-            runs[best_first] = ref = train_in_process(tmp_path_factory.mktemp("ref") / "run", args)
+    def reference(best_first: bool, strategy: str) -> Path:
+        if (best_first, strategy) not in runs:
+            args = [
+                "parallel=ddp2",
+                f"parallel.strategy={strategy}",
+                *RESTART_ARGS,
+                *([BEST_FIRST] if best_first else []),
+            ]
+            runs[best_first, strategy] = ref = train_in_process(tmp_path_factory.mktemp("ref") / "run", args)
             assert read_metrics(ref)[-1]["step"] == RESTART_STEPS
             evals = [r["eval_loss"] for r in read_metrics(ref) if "eval_loss" in r]
             falls = [before - after for before, after in itertools.pairwise(evals)]
@@ -246,7 +252,7 @@ def uninterrupted_restart_run(tmp_path_factory) -> Callable[[bool], Path]:
             assert len(evals) == RESTART_STEPS // 4 and min(falls) > 0.01, f"the eval loss must fall: {evals}"
             best = json.loads((ref / "best" / "best.json").read_text())["step"]
             assert best == (4 if best_first else RESTART_STEPS), f"best at step {best}: the eval loss did not fall"
-        return runs[best_first]
+        return runs[best_first, strategy]
 
     return reference
 
@@ -290,19 +296,26 @@ def assert_resumed_once_from_the_last_checkpoint(run: Path) -> None:
 
 # torchrun's restart of a killed worker is test_two_torchrun_nodes_train_one_run (a torchrun case here ran the same
 # kill and the same checks on one node, 34 s of the suite's critical path).
+# fsdp2: every rank's shards and the optimizer's in the checkpoint's sharded/, the full weights gathered into
+# weights/ (what the save check reads and the export writes).
 @pytest.mark.parametrize(
-    ("launcher", "best_first"),
-    [("self-launch", True), ("self-launch-forkserver", False)],
-    ids=["self-launch-best-before-the-kill", "self-launch-forkserver-best-after-the-restart"],
+    ("launcher", "best_first", "strategy"),
+    [("self-launch", True, "ddp"), ("self-launch-forkserver", False, "ddp"), ("self-launch-forkserver", True, "fsdp2")],
+    ids=[
+        "self-launch-best-before-the-kill",
+        "self-launch-forkserver-best-after-the-restart",
+        "fsdp2-self-launch-forkserver-best-before-the-kill",
+    ],
 )
 def test_killed_worker_restarts_and_ends_with_the_same_parameters(
-    tmp_path, launcher, best_first, uninterrupted_restart_run
+    tmp_path, launcher, best_first, strategy, uninterrupted_restart_run
 ) -> None:
-    reference = uninterrupted_restart_run(best_first)
+    reference = uninterrupted_restart_run(best_first, strategy)
     command = [
         sys.executable,
         "-m",
         "ddptrain",
+        f"parallel.strategy={strategy}",
         *RESTART_ARGS,
         *([BEST_FIRST] if best_first else []),
         "parallel.max_restarts=1",
@@ -431,7 +444,7 @@ def test_two_torchrun_nodes_train_one_run(tmp_path, uninterrupted_restart_run) -
     assert killed, f"the run ended before a worker could be killed\n{outputs}"
     assert [n.returncode for n in nodes] == [0, 0], outputs
     (run,) = run_dirs(out)
-    reference = uninterrupted_restart_run(best_first=True)
+    reference = uninterrupted_restart_run(best_first=True, strategy="ddp")
     assert_bit_identical(final_weights(run), final_weights(reference))
     # Once: the first round trained undisturbed until the kill, the second resumed.
     assert_resumed_once_from_the_last_checkpoint(run)

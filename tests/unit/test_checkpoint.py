@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from ddptrain import checkpoint, export, parallel, rng
+from ddptrain.checkpoint.format import FORMAT_VERSION
 from ddptrain.config import SaveCheckMode, to_yaml
 from ddptrain.evaluation.save_check import SaveCheckError, build_save_checks
 from ddptrain.model import build_model, build_tokenizer
@@ -239,7 +240,9 @@ def test_a_checkpoint_of_format_1_still_resumes(tmp_path) -> None:
     train_and_save(tmp_path, [])
     folder = checkpoint.newest_complete(tmp_path / "checkpoints")
     written = json.loads((folder / checkpoint.MANIFEST).read_text())
-    assert written["format_version"] == 3 and written["data_order"]["sources"] == [], "what a checkpoint says now"
+    assert written["format_version"] == FORMAT_VERSION and written["data_order"]["sources"] == [], (
+        "what a checkpoint says now"
+    )
     rewrite_as_format_1(folder, windows=None)
     trainer = build_trainer(tmp_path, [])
     assert trainer.step == 2 and trainer.window.steps == 0
@@ -254,8 +257,10 @@ def test_a_checkpoint_of_a_newer_format_is_refused_naming_both(tmp_path) -> None
     train_and_save(tmp_path, [])
     folder = checkpoint.newest_complete(tmp_path / "checkpoints")
     manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
-    (folder / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "format_version": 4}))
-    refused = rf"{re.escape(str(folder))} is checkpoint format 4; this ddptrain reads formats 1, 2, 3\. Resume it"
+    (folder / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "format_version": FORMAT_VERSION + 1}))
+    reads = ", ".join(map(str, range(1, FORMAT_VERSION + 1)))
+    newer = FORMAT_VERSION + 1
+    refused = rf"{re.escape(str(folder))} is checkpoint format {newer}; this ddptrain reads formats {reads}\. Resume"
     with pytest.raises(RuntimeError, match=refused):
         build_trainer(tmp_path, [])
 

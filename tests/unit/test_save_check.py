@@ -175,8 +175,8 @@ def test_a_corrupted_save_fails_the_run_at_that_save_and_leaves_the_one_before(t
     real_write = checkpoint.AdapterFiles.write
     change = CORRUPTIONS[kind][0]
 
-    def corrupting(self, model, folder, run_dir, with_tokenizer):
-        real_write(self, model, folder, run_dir, with_tokenizer)
+    def corrupting(self, model, folder, run_dir, with_tokenizer, whole=None):
+        real_write(self, model, folder, run_dir, with_tokenizer, whole)
         if "step-00000002" in str(folder):
             rewrite(folder, change)
 
