@@ -77,7 +77,10 @@ TOLERANCE = 0.15  # what the plan claims for each rank's peak (issue 24): twice 
 REPORTED_TOLERANCE = 0.10
 
 
-def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_within_15_percent(tmp_path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_within_15_percent(
+    tmp_path, strategy
+) -> None:
     """A 2-rank run of a 5-layer model with a 16k vocabulary and the LM head unchunked (model.loss_chunk_tokens=0):
     its (targets x vocabulary) fp32 logits and their gradients make the transients (what the step holds beyond
     what it keeps for backward) at least 30% of each rank's predicted peak. The training set is one micro-step of
@@ -98,6 +101,7 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
     cfg = compose_config(
         [
             "parallel=ddp2",
+            f"parallel.strategy={strategy}",
             f"model.name_or_path={five_layer_qwen2(tmp_path / 'five-layers', vocab_size=16384)}",
             "model.loss_chunk_tokens=0",  # the whole (targets x vocabulary) logits at once: large transients
             "parallel.timeout_s=120",

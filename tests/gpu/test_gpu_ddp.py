@@ -136,3 +136,24 @@ def test_two_gpus_nccl_with_bf16_compression(tmp_path) -> None:
     assert all(r["allreduce_syncs_per_step"] == 1.0 for r in records)
     # 2 bytes per LoRA gradient element (4 uncompressed): the tiny model's 77,824 trainable parameters.
     assert all(r["allreduce_bytes_per_step"] == 155_648 for r in records)
+
+
+# FSDP2 on NCCL in bf16 (trainer.precision=bf16: the units gather their weights in bf16, the masters stay fp32),
+# accumulation, evaluation and sharded checkpoints, then a resume from the middle: the CPU suite proves the same on
+# gloo in fp32 (tests/distributed/test_fsdp2.py).
+FSDP2 = [*SHARED, "parallel=fsdp2_2", "trainer.precision=bf16", "model.lora=false", "model.dtype=bf16"]
+
+
+def test_fsdp2_in_bf16_trains_saves_shards_and_resumes_bit_identical(tmp_path) -> None:
+    run_dir, records, _ = train_watching_gpus([*FSDP2, f"trainer.output_dir={tmp_path / 'run'}"])
+    assert_trains(records)
+    train = [r for r in records if "loss" in r]
+    assert all(r["reducescatter_syncs_per_step"] == 1.0 for r in train), train
+    assert (run_dir / "checkpoints" / "step-00000010" / "sharded" / ".metadata").is_file()
+    assert (run_dir / "adapter" / "config.json").is_file(), "the full fine-tune's weights, gathered"
+    _, resumed, _ = train_watching_gpus(
+        [*FSDP2, f"trainer.output_dir={tmp_path / 'resumed'}", f"trainer.resume={run_dir}/checkpoints/step-00000010"]
+    )
+    after = [r for r in resumed if "loss" in r]
+    assert [r["step"] for r in after] == [15, 20]
+    assert losses(after) == losses(records)[2:], "the resumed steps differ from the uninterrupted run's"
