@@ -86,7 +86,7 @@ class Trainer:
         samples = build_samples(cfg.trainer, cfg.data, self.tokenizer, env.rank, env.world_size)
         batches = self.data.eval_batches if self.data.eval is not None else None
         parts = (self.loss_module, batches, samples, self.best, self.metrics, self.clock, self.autocast, env.device)
-        self.evaluate = Evaluator(*parts, optimizer=self.optimizer)  # the eval metrics, samples, the best's verdict
+        self.evaluate = Evaluator(*parts, optimizer=self.optimizer, comm=self.comm)  # eval metrics, samples, best
         shared = {"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
         files = checkpoint.AdapterFiles(self.tokenizer, cfg.model, cfg.trainer.seed)
         self.checkpointer = checkpoint.build_checkpointer(  # the sampler holds the data position

@@ -108,8 +108,23 @@ def _bucket_lever(s: dict, split: StepSplit, st: RunSettings) -> dict | None:
 
 def _comm_levers(s: dict, by_rank: list[dict], st: RunSettings, th: DiagnoseConfig) -> list[dict]:
     split = step_split(s)
+    if s.get("strategy") == "fsdp2":
+        return _fsdp2_levers(st)
     levers = [_accum_lever(s, split, st, th), _compress_lever(s, split, st), _bucket_lever(s, split, st)]
     return [lever for lever in levers if lever]
+
+
+def _fsdp2_levers(st: RunSettings) -> list[dict]:
+    """FSDP2's own: keep the gathered layers to the backward (one all-gather of each layer per micro-step instead of
+    two, at the memory of every layer gathered: python -m ddptrain.plan says whether it fits), or DDP where a replica
+    fits (one all-reduce per step, no all-gathers). Not predicted: the step clock does not time FSDP2's all-gathers
+    apart from the compute they wait in. Accumulation does not help here: each micro-step gathers the weights again."""
+    levers = []
+    if st["parallel.reshard_after_forward"]:
+        why = "each layer's weights are gathered again for its backward: keep them instead (more memory; plan first)"
+        levers.append(_lever("parallel.reshard_after_forward", False, why))
+    why = "where a whole replica fits (python -m ddptrain.plan parallel.strategy=ddp), DDP gathers no weights"
+    return [*levers, _lever("parallel.strategy", "ddp", why)]
 
 
 def _workers_needed(loader_s: float, budget_s: float, current: int) -> int:
@@ -257,7 +272,7 @@ def _compute_levers(s: dict, by_rank: list[dict], st: RunSettings, th: DiagnoseC
         levers.append(_lever("trainer.precision", "bf16", "fp32 matmuls run far below the tensor cores' bf16 peak"))
     if cuda and not st["model.liger_kernel"]:
         levers.append(_lever("model.liger_kernel", True, "fused RMSNorm/SwiGLU/RoPE kernels: fewer memory round trips"))
-    if not st["trainer.compile"]:
+    if not st["trainer.compile"] and st["parallel.strategy"] != "fsdp2":  # not yet under fsdp2: refused
         levers.append(_lever("trainer.compile", True, "torch.compile fuses the small ops between the matmuls"))
     if cuda and _memory_headroom(s, by_rank) >= 0.5 and st["data.batching"] in ("random", "length_grouped"):
         value = 2 * st["data.micro_batch_size"]
@@ -324,7 +339,7 @@ def predict(levers: list[dict], s: dict, st: RunSettings) -> list[dict]:
         if global_batch
         else ("optim.grad_accum_steps", s.get("grad_accum_steps") or 1)
     )
-    if split is None:
+    if split is None or s.get("strategy") == "fsdp2":  # FSDP2 gathers the weights again at every micro-step
         return predictions
     for ratio in (2, 4, 8):
         new = split.accumulate(ratio)

@@ -118,12 +118,27 @@ def _numbers(s: dict) -> list[str]:
         f"- memory peak: {_f(s.get('mem_peak_gb'), '.2f')} GiB of {_f(s.get('mem_total_gb'), '.1f', 'n/a')}"
         + _predicted_text(s)
         + f"; allocator retries: {_f(s.get('alloc_retries'), 'd')}",
-        f"- all-reduce per step and rank: {_f((s.get('allreduce_bytes_per_step') or 0) / MIB, '.2f')} MiB in "
-        f"{_f(s.get('allreduce_calls_per_step'), '.1f')} call(s)",
+        _comm_text(s),
         f"- loss: {_f(s['loss_first'], '.4f')} → {_f(s['loss_last'], '.4f')}"
         + (f"; eval loss {s['eval_loss_last']:.4f}" if s.get("eval_loss_last") is not None else "")
         + _best_text(s),
     ]
+
+
+def _comm_text(s: dict) -> str:
+    """What the gradient synchronisation sent per step and rank: DDP's all-reduce, or FSDP2's collectives."""
+    if s.get("strategy") != "fsdp2":
+        return (
+            f"- all-reduce per step and rank: {_f((s.get('allreduce_bytes_per_step') or 0) / MIB, '.2f')} MiB in "
+            f"{_f(s.get('allreduce_calls_per_step'), '.1f')} call(s)"
+        )
+    parts = [
+        f"{name} {_f((s.get(f'{op}_bytes_per_step') or 0) / MIB, '.2f')} MiB in "
+        f"{_f(s.get(f'{op}_calls_per_step'), '.1f')} call(s)"
+        for name, op in (("all-gather", "allgather"), ("reduce-scatter", "reducescatter"))
+    ]
+    # FSDP2 waits for its all-gathers inside the forward and backward: the step clock books that wait as compute.
+    return f"- fsdp2 per step and rank: {'; '.join(parts)} (the all-gathers' wait is in the compute column)"
 
 
 def _best_text(s: dict) -> str:

@@ -401,6 +401,13 @@ def summarize(records: list[dict], evals: list[dict], settings: RunSettings) -> 
         "peak_rank_tokens": _max(records, "peak_rank_tokens"),
         "allreduce_bytes_per_step": weighted_mean(steady, "allreduce_bytes_per_step"),
         "allreduce_calls_per_step": weighted_mean(steady, "allreduce_calls_per_step"),
+        # parallel.strategy=fsdp2: its reduce-scatters and all-gathers in place of the all-reduce
+        "strategy": settings["parallel.strategy"],
+        **{
+            f"{op}_{what}_per_step": weighted_mean(steady, f"{op}_{what}_per_step")
+            for op in ("reducescatter", "allgather")
+            for what in ("bytes", "calls")
+        },
         "timing": bool(timed),
     }
     for key in ("step_time_s", *TIME_COLUMNS, "tflops", "mfu", "peak_tflops", "model_flops_per_step"):

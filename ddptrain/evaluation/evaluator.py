@@ -3,6 +3,7 @@ there are prompts), logged as one metrics record with their times, and booked by
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -45,12 +46,15 @@ class Evaluator:
     autocast: Callable[[], AbstractContextManager]
     device: torch.device
     optimizer: torch.optim.Optimizer
+    comm: Any = None
+    """The step's ``parallel.CommCounter``: what evaluation sends (FSDP2's all-gathers) is not the steps'."""
 
     def __call__(self, step: int) -> dict[str, Any]:
         """Evaluate at ``step``; returns the record logged (``eval_loss``, ..., ``eval_s``, ``samples_s``)."""
         self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: freed before eval's peak
         record: dict[str, Any] = {"step": step}
-        with parallel.gathered(self.loss_module):  # FSDP2: the root's weights whole (eval sums, generate)
+        uncounted = self.comm.paused() if self.comm is not None else contextlib.nullcontext()
+        with uncounted, parallel.gathered(self.loss_module):  # FSDP2: the root's weights whole (eval sums, generate)
             record |= self._evaluate(step)
         if len(record) > 1:  # something was evaluated
             self.metrics.log(record)

@@ -60,6 +60,15 @@ class CommCounter:
         self.calls = self.syncs = self.bytes = self.gathers = self.gathered_bytes = 0
         return counts
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """What is sent within the block is not counted (an evaluation's all-gathers are not a step's)."""
+        counts = (self.calls, self.syncs, self.bytes, self.gathers, self.gathered_bytes)
+        try:
+            yield
+        finally:
+            self.calls, self.syncs, self.bytes, self.gathers, self.gathered_bytes = counts
+
     def take_times(self) -> tuple[list[tuple[float, float]], Any]:
         """The hook's host intervals and the last launch event since the last call (then forgotten)."""
         times = (self.hook_intervals, self.last_launch)

@@ -133,6 +133,35 @@ def test_exposed_all_reduce_is_communication_bound_and_names_accumulation_and_co
     assert levers_by_key(report)["parallel.comm_hook"]["value"] == "fp16_compress"  # gloo: no bf16 hook
 
 
+FSDP2 = "parallel:\n  strategy: fsdp2\ntrainer:\n  max_steps: 20\n"
+
+
+def test_an_fsdp2_run_reports_its_collectives_and_offers_its_own_levers(tmp_path):
+    """parallel.strategy=fsdp2: the report sets out its all-gathers and reduce-scatters (none of DDP's all-reduce);
+    communication-bound, it names FSDP2's levers, not DDP's accumulation, compression or buckets (accumulation gathers
+    the weights again at every micro-step: no accumulation predictions either); compute-bound, no trainer.compile
+    (refused under fsdp2)."""
+    fsdp2 = {"reducescatter_calls_per_step": 3.0, "reducescatter_bytes_per_step": 4 * 2**20}
+    fsdp2 |= {"allgather_calls_per_step": 10.0, "allgather_bytes_per_step": 12 * 2**20}
+    ddp_keys = ("allreduce_calls_per_step", "allreduce_bytes_per_step", "allreduce_syncs_per_step")
+    ranks = [rank_entry(i, compute=0.3, comm=0.5) for i in (0, 1)]
+    records = [{k: v for k, v in record(5 * (w + 1), ranks, **fsdp2).items() if k not in ddp_keys} for w in range(3)]
+    report = diagnose.build_report(make_run(tmp_path / "comm", records, FSDP2))
+    assert report["verdict"] == "communication"
+    assert [lever["set"] for lever in report["levers"]] == [
+        "parallel.reshard_after_forward=false",
+        "parallel.strategy=ddp",
+    ]
+    assert report["predictions"] == []
+    summary = diagnose.render_markdown(report)
+    assert "all-gather 12.00 MiB in 10.0 call(s); reduce-scatter 4.00 MiB in 3.0 call(s)" in summary
+    assert "all-reduce per step" not in summary
+    ranks = [rank_entry(i) for i in (0, 1)]
+    records = [{k: v for k, v in record(5 * (w + 1), ranks, **fsdp2).items() if k not in ddp_keys} for w in range(3)]
+    report = diagnose.build_report(make_run(tmp_path / "compute", records, FSDP2))
+    assert report["verdict"] == "compute" and "trainer.compile" not in levers_by_key(report)
+
+
 def test_a_plan_that_overloads_one_rank_is_imbalance(tmp_path):
     # Rank 1 gets 1.5× the tokens (planned) and computes 1.5× as long; rank 0 waits inside the all-reduce.
     records = [
