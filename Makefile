@@ -9,7 +9,7 @@ TORCH_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-quick lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data bench-chat-tokenize bench-memory-plan bench-evaluation gpu-check clean
+.PHONY: setup train test test-quick lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data bench-chat-tokenize bench-memory-plan bench-evaluation bench-strategies gpu-check clean
 
 setup: $(STAMP)
 
@@ -84,6 +84,9 @@ bench-memory-plan: setup  ## the memory plan: Qwen2.5-7B / 0.5B predictions, and
 bench-evaluation: setup  ## eval on 1 rank vs 2 (the same loss), what the save check costs a save and a run
 	$(BIN)/python -m ddptrain.bench.evaluation --data ../shared/data/alpaca/alpaca_data_52k.jsonl
 	$(BIN)/python -m ddptrain.bench.save_check
+
+bench-strategies: setup  ## parallel.strategy=fsdp2 against ddp on 2 CPU ranks: tokens/s, peak memory per rank, bytes
+	$(BIN)/python -m ddptrain.bench.strategies --repeats 3
 
 gpu-check: setup  ## tests/gpu and the GPU benchmark in tiers by GPU count, one table (1 GPU: < 8 min); no GPU: lists them
 	$(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)

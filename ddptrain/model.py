@@ -404,22 +404,28 @@ def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, model: nn.Module | 
 
 
 def build_model(
-    cfg: ModelConfig, seed: int, device: torch.device, tokenizer: PreTrainedTokenizerBase | None = None
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    load_on: torch.device | None = None,
 ) -> CausalLMLoss:
     """Base model -> LoRA (or full fine-tune) -> gradient checkpointing -> loss module, on ``device``.
 
     Args:
         cfg: the model group.
         seed: seeds random initialisation (model.init=random).
-        device: where the loss module goes.
+        device: where the loss module trains.
         tokenizer: the run's tokenizer; when given, checked against the model's embedding first.
+        load_on: where the weights are built or loaded and the loss module stays, if not on ``device``
+            (``parallel.load_device``: FSDP2 builds on the host and sharding moves each unit's shards to ``device``).
 
     Raises:
         ValueError: the tokenizer's ids do not fit the model's input embedding (``check_tokenizer_fits``).
     """
     if cfg.liger_kernel:
         apply_liger_kernel(cfg, device)
-    model = build_base_model(cfg, seed, device)
+    model = build_base_model(cfg, seed, load_on or device)
     if tokenizer is not None:
         check_tokenizer_fits(tokenizer, model, cfg)
     if cfg.lora:
@@ -429,7 +435,7 @@ def build_model(
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("model: %s trainable of %s parameters (%.3f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
-    return CausalLMLoss(model, cfg.loss_chunk_tokens).to(device)
+    return CausalLMLoss(model, cfg.loss_chunk_tokens).to(load_on or device)
 
 
 def save_random_base(cfg: ModelConfig, seed: int, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:

@@ -58,7 +58,8 @@ class Trainer:
         )  # fmt: skip
         self.best = build_best_tracker(cfg.trainer, has_eval=self.data.eval is not None)  # before the weights load
         self.memory_plan = plan_at_start(cfg, self.data.tokenized, env.rank, env.world_size)  # no fit: stops here
-        self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer)
+        where = parallel.load_device(cfg.parallel)  # FSDP2: on the host; sharding moves each rank's part to the device
+        self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer, load_on=where)
         rng.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
         self.sampler, self.loader = self.data.sampler, self.data.loader
         warn_about_attention_cost(cfg.model.attn_implementation, env.device, self.sampler.row_lengths)
@@ -100,11 +101,10 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def fit(self) -> dict[str, Any]:
-        """Train to trainer.max_steps (or trainer.epochs), evaluating and saving on the way; a resumed run goes on
-        mid-epoch (the sampler holds the data position). SIGTERM or a first Ctrl-C saves a checkpoint at the next step
-        boundary and returns (``process.signals``); a non-finite step stops every rank there as trainer.on_nonfinite
-        says (``observe.nonfinite``). Returns the last metrics record (the same on every rank), with ``stopped_by`` and
-        ``stopped_at_step`` after a stop by signal; after a divergence, only ``diverged`` (its record)."""
+        """Train to trainer.max_steps (or trainer.epochs), evaluating and saving (a resume goes on mid-epoch).
+        SIGTERM or a first Ctrl-C saves a checkpoint at the next step boundary and returns (``process.signals``); a
+        non-finite step stops every rank there as trainer.on_nonfinite says (``observe.nonfinite``). Returns the last
+        metrics record (every rank's), with ``stopped_by``, ``stopped_at_step`` after a signal; ``diverged`` only."""
         log.info("training %d steps on %d ranks, from step %d", self.total_steps, self.env.world_size, self.step)
         try:
             with signals.stop_on_signals() as stop:

@@ -32,6 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from ddptrain import parallel
@@ -158,6 +159,9 @@ class Checkpointer:
         self.per_rank = {**per_rank, "rng": RNGState()}
         self.fingerprint = fingerprint
         self.best = best
+        self.saved_dtype: torch.dtype | None = None
+        """What a sharded model's gathered weights are saved in: ``model.dtype`` for a full fine-tune (FSDP2 trains
+        fp32 masters of a bf16 model), None for LoRA (its adapters are fp32 under both strategies)."""
         self.saved_step: int | None = None
         """The step of the newest checkpoint in this run's folder (saved, or resumed from); None while it has none."""
 
@@ -209,7 +213,7 @@ class Checkpointer:
         nothing (rank 0 reads its own model)."""
         if not sharded:
             return {}
-        found = {"whole": parallel.whole_trainable(self.weights, self.env.rank)}
+        found = {"whole": parallel.whole_trainable(self.weights, self.env.rank, self.saved_dtype)}
         if step is not None:
             staging = self.run_dir / "checkpoints" / f".step-{step:08d}.{SHARDED}"
             found["sharded"] = parallel.save_shards(self.weights, self.shared["optimizer"], staging, self.env.rank)
@@ -370,7 +374,7 @@ def build_checkpointer(
         dtype = TORCH_DTYPES[m.dtype]
         check = build_save_checks(cfg.save_check, weights, base, dtype, attn, probe_rows, pad_id, on_gpu)
     writer = build_writer(env.is_rank_zero, run_dir, cfg.keep_last_n, files=files, rule=best.rule, check=check)
-    return Checkpointer(
+    checkpointer = Checkpointer(
         env,
         run_dir,
         writer,
@@ -381,3 +385,5 @@ def build_checkpointer(
         fingerprint=fingerprint,
         best=best,
     )
+    checkpointer.saved_dtype = None if files.model_cfg.lora else TORCH_DTYPES[files.model_cfg.dtype]
+    return checkpointer

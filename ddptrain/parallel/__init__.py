@@ -47,4 +47,4 @@ from ddptrain.parallel.group import (
     timeout_grace_s,
     torchrun_round,
 )
-from ddptrain.parallel.wrap import grad_sync, wrap_model
+from ddptrain.parallel.wrap import grad_sync, load_device, wrap_model

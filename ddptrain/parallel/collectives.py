@@ -260,6 +260,10 @@ def check_every_trainable_param_has_a_gradient(model: nn.Module, cfg: ParallelCo
     Raises:
         RuntimeError: some did, with several ranks and ``parallel.find_unused_parameters=false``.
     """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):  # FSDP2 reduce-scatters what got a gradient: an unused parameter stalls nothing
+        return
     missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None)
     unused = sorted(set().union(*all_gather_object(missing)))
     if not unused:

@@ -122,10 +122,12 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def whole_trainable(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
+def whole_trainable(model: nn.Module, rank: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """A sharded model's trainable tensors, gathered whole onto rank 0's host, by ``state_dict`` key (a tied key
-    too, the same tensor): what a replica's ``state_dict`` would give for them. Every rank calls it (one all-gather
-    per tensor); the others get an empty dict. Frozen weights (a LoRA base) are not gathered."""
+    too, the same tensor): what a replica's ``state_dict`` would give for them. ``dtype``: what they are saved in
+    (a bf16 model's full fine-tune trains fp32 masters and saves bf16, as it computes); None keeps theirs. Every rank
+    calls it (one all-gather per tensor); the others get an empty dict. Frozen weights (a LoRA base) are not
+    gathered."""
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     gathered: dict[int, torch.Tensor] = {}
     whole = {}
@@ -134,7 +136,8 @@ def whole_trainable(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
             continue
         if id(tensor) not in gathered:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            gathered[id(tensor)] = full.detach().to("cpu", copy=True) if rank == 0 else full[:0]
+            kept = full.detach().to("cpu", dtype or full.dtype, copy=True) if rank == 0 else full[:0]
+            gathered[id(tensor)] = kept
         whole[key] = gathered[id(tensor)]
     return whole if rank == 0 else {}
 

@@ -30,6 +30,13 @@ def wrap_model(
     return wrap_ddp(model, cfg, env, counter)
 
 
+def load_device(cfg: ParallelConfig) -> torch.device | None:
+    """Where the model's weights are built or loaded, if not on the training device: FSDP2's on the host (every rank
+    builds the whole model there; ``fully_shard`` then moves each unit to the device and keeps its shard, so no GPU
+    ever holds the whole model); DDP's on the device (None)."""
+    return torch.device("cpu") if cfg.strategy == Strategy.fsdp2 else None
+
+
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Within this block, the backward of ``model``'s forward synchronises gradients only if ``enabled``: an
