@@ -25,6 +25,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -109,6 +110,21 @@ def padded_per_rank(lengths: list[int], micro_batch_size: int, plan: list[list[l
     return [sum(len(b) * max(lengths[i] for i in b) for b in batches) for batches in plan]
 
 
+def lora_as_if_trained(overrides: list[str]) -> tuple[Any, torch.nn.Module, Any]:
+    """The run config of ``overrides`` on the CPU, its LoRA model with ``lora_B`` drawn as if trained (it starts at
+    zero: the adapter would do nothing), and its tokenizer."""
+    from ddptrain.model import build_model, build_tokenizer
+    from ddptrain.preview import compose_run_config
+
+    cfg = compose_run_config([*overrides, "trainer.device=cpu"], None, "train")
+    torch.manual_seed(0)
+    module = build_model(cfg.model, seed=0, device=torch.device("cpu"))
+    for name, p in module.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(std=0.02)
+    return cfg, module, build_tokenizer(cfg.model)
+
+
 def bench_save_check(model: str, repeats: int) -> dict[str, float]:
     """Seconds to save a checkpoint without and with the check (``trainer.save_check=every`` at a save before the
     last: the read-back), of the read-back alone, and of the round trip through plain peft beside the model and
@@ -119,20 +135,12 @@ def bench_save_check(model: str, repeats: int) -> dict[str, float]:
     from ddptrain.evaluation.peft_check import PeftRoundTrip, Probe
     from ddptrain.evaluation.readback import ReadBack
     from ddptrain.evaluation.save_check import build_save_checks
-    from ddptrain.model import build_model, build_tokenizer
     from ddptrain.precision import TORCH_DTYPES
-    from ddptrain.preview import compose_run_config
 
-    overrides = [f"model={model}", "trainer.device=cpu"]
+    overrides = [f"model={model}"]
     if model != "tiny_qwen2":
         overrides += ["model.init=random", "model.tokenizer=${asset:tiny_tokenizer}"]
-    cfg = compose_run_config(overrides, None, "train")
-    torch.manual_seed(0)
-    module = build_model(cfg.model, seed=0, device=torch.device("cpu"))
-    for name, p in module.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(std=0.02)
-    tokenizer = build_tokenizer(cfg.model)
+    cfg, module, tokenizer = lora_as_if_trained(overrides)
     rows = [tokenizer("Sort 3, 1, 2.").input_ids, tokenizer("Reverse: red sparrow").input_ids]
     probe = Probe.from_rows(rows, 0)
     dtype, attn = TORCH_DTYPES[cfg.model.dtype], cfg.model.attn_implementation.value

@@ -88,19 +88,11 @@ def save_seconds(model: str, save_check: str, repeats: int) -> dict[str, float]:
     """Rank 0's seconds for an improving evaluation's saves (fastest of ``repeats``) and for the end's, with
     ``trainer.save_check=<save_check>``, and the seconds the checks' records report for each."""
     from ddptrain import checkpoint
+    from ddptrain.bench.evaluation import lora_as_if_trained
     from ddptrain.evaluation.best import build_best_tracker
-    from ddptrain.model import build_model, build_tokenizer
     from ddptrain.parallel import DistEnv
-    from ddptrain.preview import compose_run_config
 
-    overrides = [*model_overrides(model), "trainer.device=cpu", f"trainer.save_check={save_check}"]
-    cfg = compose_run_config(overrides, None, "train")
-    torch.manual_seed(0)
-    module = build_model(cfg.model, seed=0, device=torch.device("cpu"))
-    for name, p in module.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(std=0.02)
-    tokenizer = build_tokenizer(cfg.model)
+    cfg, module, tokenizer = lora_as_if_trained([*model_overrides(model), f"trainer.save_check={save_check}"])
     rows = [tokenizer("Sort 3, 1, 2.").input_ids, tokenizer("Reverse the order of these words: red sparrow").input_ids]
     env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
     found: dict[str, list[float]] = {"evaluation": [], "evaluation check": [], "end": [], "end check": []}

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ddptrain.process.memory import proc_bytes
+
 MEMINFO = Path("/proc/meminfo")
 
 
@@ -51,10 +53,4 @@ def all_cores() -> Iterator[int]:
 
 def mem_available_bytes() -> int | None:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes, or None where there is none to read (not Linux)."""
-    try:
-        for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_bytes(MEMINFO, "MemAvailable")

@@ -39,6 +39,7 @@ import torch
 
 from ddptrain import parallel
 from ddptrain.process import hangs
+from ddptrain.process.memory import proc_bytes
 
 COLUMNS = ("data", "compute", "comm", "optimizer", "other")
 # The column each phase's time is booked to; None: not part of a step (and not in step_time_s).
@@ -177,12 +178,9 @@ def peak_rss_bytes() -> int:
     ``ru_maxrss`` (macOS: bytes; Linux: KiB). Not ``ru_maxrss`` on Linux: the kernel carries the peak of the process
     that started this one across ``exec``, so a rank spawned by a launcher that held 800 MB reports 800 MB however
     little it held itself (measured: a spawned child's ``ru_maxrss`` 834 MB, its ``VmHWM`` 15 MB)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = proc_bytes(Path("/proc/self/status"), "VmHWM")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

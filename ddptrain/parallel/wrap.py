@@ -11,7 +11,7 @@ from torch import nn
 
 from ddptrain.config import ParallelConfig, Strategy
 from ddptrain.parallel.ddp import CommCounter, ddp_grad_sync, wrap_ddp
-from ddptrain.parallel.fsdp import is_sharded, no_reduce_scatter, shard_model
+from ddptrain.parallel.fsdp import FSDPModule, no_reduce_scatter, shard_model
 from ddptrain.parallel.group import DistEnv
 
 
@@ -42,7 +42,7 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Within this block, the backward of ``model``'s forward synchronises gradients only if ``enabled``: an
     accumulation micro-step runs with enabled=False, the last one syncs them all once (DDP's ``no_sync``; FSDP2's
     ``set_requires_gradient_sync``)."""
-    if is_sharded(model):
+    if isinstance(model, FSDPModule):  # every micro-step: the wrapper's type, not each parameter's
         with no_reduce_scatter(model, enabled):
             yield
     else:

@@ -1,14 +1,27 @@
 """What the C library does with freed memory: on request (plan.cpu_returns_freed_memory), glibc hands every large
-freed block back to the system, so that a CPU process's resident set follows the tensors alive. Standard library only.
+freed block back to the system, so that a CPU process's resident set follows the tensors alive; and the figures
+``/proc`` keeps of a process's memory. Standard library only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+from pathlib import Path
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 MMAP_THRESHOLD_BYTES = 65536
+
+
+def proc_bytes(path: Path, key: str) -> int | None:
+    """A ``key:  N kB`` line of a ``/proc`` file (``/proc/meminfo``, ``/proc/self/status``) in bytes; None where the
+    file or the line is missing (not Linux)."""
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) * 1024
+    return None
 
 
 def return_freed_memory() -> bool:

@@ -64,3 +64,21 @@ def assert_trains(records: list[dict], steps: int, every: int = 5) -> None:
     assert logged == list(range(every, steps + 1, every)), logged
     found = losses(records)
     assert all(math.isfinite(x) for x in found) and found[-1] < found[0] - 0.3, found
+
+
+def resumed_from_step_10(args: list[str], run_dir: Path, records: list[dict], out: Path) -> tuple[Path, list[dict]]:
+    """``run_dir`` (trained with ``args`` to step 20, logging every 5 steps) resumed from its step-10 checkpoint into
+    ``out``; its steps 15 and 20 must log the uninterrupted run's losses, bit for bit. Returns the resumed folder and
+    records."""
+    resumed_dir, resumed, _ = train_watching_gpus(
+        [*args, f"trainer.output_dir={out}", f"trainer.resume={run_dir}/checkpoints/step-00000010"]
+    )
+    after = [r for r in resumed if "loss" in r]
+    assert [r["step"] for r in after] == [15, 20]
+    assert losses(after) == losses(records)[2:], "the resumed steps differ from the uninterrupted run's"
+    return resumed_dir, resumed
+
+
+def eval_losses_at(step: int, *runs: list[dict]) -> list[list[float]]:
+    """Each run's eval losses logged at ``step``."""
+    return [[r["eval_loss"] for r in run if r.get("step") == step and "eval_loss" in r] for run in runs]

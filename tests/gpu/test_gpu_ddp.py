@@ -19,7 +19,7 @@ from ddptrain.config import DType
 from ddptrain.observe.flops import lookup_peak_tflops
 from tests.conftest import read_metrics, run_ddptrain, run_dirs
 from tests.gpu.runs import assert_trains as assert_trains_for
-from tests.gpu.runs import losses, train_watching_gpus
+from tests.gpu.runs import eval_losses_at, resumed_from_step_10, train_watching_gpus
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,15 +95,8 @@ def test_each_rank_process_holds_memory_on_exactly_one_gpu(shared_run) -> None:
 
 def test_resume_from_the_middle_is_bit_identical(shared_run, tmp_path) -> None:
     run_dir, records, _ = shared_run
-    _, resumed, _ = train_watching_gpus(
-        [*SHARED, f"trainer.output_dir={tmp_path}", f"trainer.resume={run_dir}/checkpoints/step-00000010"]
-    )
-    after = [r for r in resumed if "loss" in r]
-    assert [r["step"] for r in after] == [15, 20]
-    assert losses(after) == losses(records)[2:], "the resumed steps differ from the uninterrupted run's"
-    final_eval = [
-        [r["eval_loss"] for r in run if r.get("step") == STEPS and "eval_loss" in r] for run in (resumed, records)
-    ]
+    _, resumed = resumed_from_step_10(SHARED, run_dir, records, tmp_path)
+    final_eval = eval_losses_at(STEPS, resumed, records)
     assert final_eval[0] == final_eval[1], final_eval
 
 
@@ -151,9 +144,4 @@ def test_fsdp2_in_bf16_trains_saves_shards_and_resumes_bit_identical(tmp_path) -
     assert all(r["reducescatter_syncs_per_step"] == 1.0 for r in train), train
     assert (run_dir / "checkpoints" / "step-00000010" / "sharded" / ".metadata").is_file()
     assert (run_dir / "adapter" / "config.json").is_file(), "the full fine-tune's weights, gathered"
-    _, resumed, _ = train_watching_gpus(
-        [*FSDP2, f"trainer.output_dir={tmp_path / 'resumed'}", f"trainer.resume={run_dir}/checkpoints/step-00000010"]
-    )
-    after = [r for r in resumed if "loss" in r]
-    assert [r["step"] for r in after] == [15, 20]
-    assert losses(after) == losses(records)[2:], "the resumed steps differ from the uninterrupted run's"
+    resumed_from_step_10(FSDP2, run_dir, records, tmp_path / "resumed")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.runs import assert_trains, losses, train_watching_gpus
+from tests.gpu.runs import assert_trains, eval_losses_at, resumed_from_step_10, train_watching_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -124,15 +124,8 @@ def test_every_save_is_written_and_checked_in_full_on_the_host(shared_run) -> No
 
 def test_resume_from_the_middle_is_bit_identical(shared_run, tmp_path) -> None:
     run_dir, records, _ = shared_run
-    resumed_dir, resumed, _ = train_watching_gpus(
-        [*SHARED, f"trainer.output_dir={tmp_path}", f"trainer.resume={run_dir}/checkpoints/step-00000010"]
-    )
-    after = [r for r in resumed if "loss" in r]
-    assert [r["step"] for r in after] == [15, 20]
-    assert losses(after) == losses(records)[2:], "the resumed steps differ from the uninterrupted run's"
-    final_eval = [
-        [r["eval_loss"] for r in run if r.get("step") == STEPS and "eval_loss" in r] for run in (resumed, records)
-    ]
+    resumed_dir, resumed = resumed_from_step_10(SHARED, run_dir, records, tmp_path)
+    final_eval = eval_losses_at(STEPS, resumed, records)
     assert final_eval[0] == final_eval[1], final_eval
     assert samples_by_step(resumed_dir)[STEPS] == samples_by_step(run_dir)[STEPS], "greedy samples of the same weights"
 
