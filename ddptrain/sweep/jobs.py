@@ -224,4 +224,7 @@ def _ended_by_exit(job_dir: Path, record: dict[str, Any], stop: SystemExit) -> N
     if code == signals.DIVERGED_EXIT_CODE:
         message = f"diverged (exit code {code}): a step's loss or gradient norm was not finite (metrics.jsonl)"
     _ended(job_dir, record, FAILED, error=message)
+    # Into the job's own output too (a parallel sweep's output.log): the launcher's summary names every rank's error,
+    # where the tracebacks above may hold only the rank that elastic reported first (one ended by another's failure).
+    log.error("job %d failed: %s", record["num"], message)
     raise JobFailed(f"job {record['num']} ({' '.join(record['overrides'])}) failed: {message}") from None
