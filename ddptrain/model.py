@@ -23,6 +23,7 @@ from ddptrain.config import ModelConfig, ModelInit
 from ddptrain.data.encode import IGNORE_INDEX
 from ddptrain.liger import apply_liger_kernel
 from ddptrain.precision import TORCH_DTYPES
+from ddptrain.weights import start_lora
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ def build_base_model(cfg: ModelConfig, seed: int, device: torch.device | None = 
     N ranks on one node never hold N copies of the model in host memory.
     """
     dtype = TORCH_DTYPES[cfg.dtype]
+    if device is not None and torch.device(device).type == "meta":  # FSDP2: shapes only (``weights.materialize``)
+        return _on_meta_device(cfg, dtype)
     if cfg.init == ModelInit.random:
         config = AutoConfig.from_pretrained(cfg.config_path or cfg.name_or_path)
         config.use_cache = False
@@ -67,8 +70,22 @@ def build_base_model(cfg: ModelConfig, seed: int, device: torch.device | None = 
     return model
 
 
-def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
-    """Freeze the base model and add LoRA adapters (trainable, kept in fp32)."""
+def _on_meta_device(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
+    """The model of ``model.name_or_path``'s config with every parameter on the meta device: no memory, no weights;
+    its buffers (rotary frequencies, computed from the config) are real, on the host."""
+    from accelerate import init_empty_weights
+
+    config = AutoConfig.from_pretrained(cfg.name_or_path)  # the weights' own, as from_pretrained reads it
+    config.use_cache = False
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation.value)
+    model.tie_weights()  # init_empty_weights gives a tied head a parameter of its own: one again, as loaded
+    return model
+
+
+def apply_lora(model: nn.Module, cfg: ModelConfig, seed: int) -> nn.Module:
+    """Freeze the base model and add LoRA adapters (trainable, kept in fp32), which start from ``seed``
+    (``weights.lora_starts``)."""
     from peft import LoraConfig, get_peft_model
 
     targets: str | list[str] = cfg.lora_target_modules
@@ -87,7 +104,9 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         # autocast_adapter_dtype keeps LoRA weights in fp32 over a bf16/fp16 base: the GradScaler
         # cannot unscale fp16 gradients ("Attempting to unscale FP16 gradients").
-        return get_peft_model(model, lora, autocast_adapter_dtype=True)
+        model = get_peft_model(model, lora, autocast_adapter_dtype=True)
+    start_lora(model, seed)
+    return model
 
 
 def apply_gradient_checkpointing(model: nn.Module, reentrant: bool = False) -> None:
@@ -418,7 +437,8 @@ def build_model(
         device: where the loss module trains.
         tokenizer: the run's tokenizer; when given, checked against the model's embedding first.
         load_on: where the weights are built or loaded and the loss module stays, if not on ``device``
-            (``parallel.load_device``: FSDP2 builds on the host and sharding moves each unit's shards to ``device``).
+            (``parallel.load_device``: FSDP2 builds on the host, or on the meta device, and sharding moves each
+            unit's shards to ``device``).
 
     Raises:
         ValueError: the tokenizer's ids do not fit the model's input embedding (``check_tokenizer_fits``).
@@ -429,13 +449,15 @@ def build_model(
     if tokenizer is not None:
         check_tokenizer_fits(tokenizer, model, cfg)
     if cfg.lora:
-        model = apply_lora(model, cfg)
+        model = apply_lora(model, cfg, seed)
     if cfg.gradient_checkpointing:
         apply_gradient_checkpointing(model, cfg.gradient_checkpointing_reentrant)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("model: %s trainable of %s parameters (%.3f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
-    return CausalLMLoss(model, cfg.loss_chunk_tokens).to(load_on or device)
+    loss_module = CausalLMLoss(model, cfg.loss_chunk_tokens)
+    where = torch.device(load_on or device)
+    return loss_module if where.type == "meta" else loss_module.to(where)  # meta: its buffers stay on the host
 
 
 def save_random_base(cfg: ModelConfig, seed: int, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:

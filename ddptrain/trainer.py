@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ddptrain import checkpoint, model, parallel, rng
+from ddptrain import checkpoint, model, parallel, rng, weights
 from ddptrain.attention import wants_varlen_lengths, warn_about_attention_cost
-from ddptrain.config import DType, RunConfig, SaveCheckMode, config_as_dict
+from ddptrain.config import DType, ModelInit, RunConfig, SaveCheckMode, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
 from ddptrain.evaluation.best import build_best_tracker
 from ddptrain.evaluation.evaluator import Evaluator
@@ -52,13 +52,14 @@ class Trainer:
         self.cfg, self.env, self.run_dir = cfg, env, run_dir
         self.tokenizer = build_tokenizer(cfg.model)
         model.check_tokenizer_embeddable(self.tokenizer, cfg.model)  # before minutes of tokenizing: from the config
+        resume_from = checkpoint.find_checkpoint(cfg.trainer.resume, run_dir)  # saved on other ranks: its plan goes on
         self.data: TrainingData = build_training_data(
             cfg.data, self.tokenizer, env, seed=cfg.trainer.seed, grad_accum_steps=cfg.optim.grad_accum_steps,
-            flash_varlen=wants_varlen_lengths(cfg.model),
+            flash_varlen=wants_varlen_lengths(cfg.model), planned_for=checkpoint.planned_for(resume_from, env),
         )  # fmt: skip
         self.best = build_best_tracker(cfg.trainer, has_eval=self.data.eval is not None)  # before the weights load
         self.memory_plan = plan_at_start(cfg, self.data.tokenized, env.rank, env.world_size)  # no fit: stops here
-        where = parallel.load_device(cfg.parallel)  # FSDP2: on the host; sharding moves each rank's part to the device
+        where = parallel.load_device(cfg.parallel, cfg.model.init == ModelInit.pretrained)  # FSDP2: host or meta
         self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer, load_on=where)
         rng.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
         self.sampler, self.loader = self.data.sampler, self.data.loader
@@ -69,9 +70,9 @@ class Trainer:
         # The step calls DDP around the loss module; evaluation and checkpoints use the loss module itself.
         precision = autocast_dtype(cfg.trainer, env.device)  # trainer.precision=auto resolved on this device
         gather = sharded_compute_dtype(precision, cfg.model.dtype, cfg.model.lora)  # fsdp2: in place, the same module
-        self.ddp_model = parallel.wrap_model(self.loss_module, cfg.parallel, env, self.comm, gather)
-        if cfg.trainer.compile:
-            self.ddp_model = torch.compile(self.ddp_model)
+        wrapped = parallel.wrap_model(self.loss_module, cfg.parallel, env, self.comm, gather)
+        weights.materialize(self.loss_module, cfg.model, cfg.trainer.seed, env.device)  # built on meta: each its rows
+        self.ddp_model = torch.compile(wrapped) if cfg.trainer.compile else wrapped
         self.trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optim, self.loss_module)
         self.total_steps = cfg.trainer.max_steps or self.data.steps_per_epochs(cfg.trainer.epochs)
@@ -95,7 +96,7 @@ class Trainer:
             {"windows": self.window}, self.data.fingerprint, self.best, self.data.train[:2]["input_ids"],
         )  # fmt: skip
         self.clock.enter("resume")
-        self.step = self.checkpointer.resume(cfg.trainer.resume) or 0
+        self.step = self.checkpointer.resume(resume_from) or 0
         self.metrics.log(self.memory_plan.as_record(self.step))  # the report sets it beside the measured peaks
 
     # ------------------------------------------------------------------ loop
@@ -156,12 +157,11 @@ class Trainer:
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], stop_requested: bool = False) -> StepResult:
         """One optimizer step over this rank's micro-batches.
 
-        The step's gradient is d/dθ [Σ token losses over the global batch] / N, where N is the number of target
-        tokens in the global batch (all ranks, all micro-steps). Each rank back-propagates its loss sum ×
-        world_size / N; DDP then averages over ranks (÷ world_size), which leaves exactly Σ/N whatever the split
-        into ranks and micro-steps. The same all-reduce carries the stop request (SIGTERM, Ctrl-C): every rank
-        learns of it at the same step, at no cost. Nothing here waits for the device. Gradients live until the
-        next step. ``self.clock`` marks each phase (``ddptrain.observe.timing``).
+        The step's gradient is d/dθ [Σ token losses over the global batch] / N, N the target tokens in the global
+        batch (all ranks, all micro-steps). Each rank back-propagates its loss sum × world_size / N; DDP averages
+        over ranks (÷ world_size), which leaves exactly Σ/N whatever the split into ranks and micro-steps. The same
+        all-reduce carries the stop request (SIGTERM, Ctrl-C) to every rank at the same step, at no cost. Nothing
+        here waits for the device. Gradients live until the next step. ``self.clock`` marks each phase.
         """
         self.clock.enter("to_device", self.step + 1)
         # Counted on the CPU copies: no wait on the device.
@@ -249,9 +249,9 @@ class Trainer:
             log.info("early stopping at step %d: %s", self.step, outcome["early_stopped"])
         return outcome
 
-    def save(self, final: bool = False) -> None:
+    def save(self) -> None:
         self.clock.enter("save", self.step)
-        self.metrics.log(self.checkpointer.save(self.step, final))  # the save check's record (its cost), on rank 0
+        self.metrics.log(self.checkpointer.save(self.step))  # the save check's record (its cost), on rank 0
 
     def close(self, status: str) -> None:
         """After the process group is gone (no rank waits on this): a profile cut short, then on rank 0 the

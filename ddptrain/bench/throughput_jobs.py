@@ -118,7 +118,7 @@ def _data_and_model(cfg: RunConfig, device: torch.device):
 
     tokenizer = build_tokenizer(cfg.model)
     data = build_datasets(cfg.data, tokenizer, cfg.trainer.seed)
-    model = apply_lora(build_base_model(cfg.model, cfg.trainer.seed), cfg.model)
+    model = apply_lora(build_base_model(cfg.model, cfg.trainer.seed), cfg.model, cfg.trainer.seed)
     if cfg.model.gradient_checkpointing:
         apply_gradient_checkpointing(model)
     return tokenizer, data, model.to(device)

@@ -94,6 +94,7 @@ __all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFES
     "load_state",
     "load_trainable_weights",
     "newest_complete",
+    "planned_for",
     "read_manifest",
     "read_weights",
     "strip_known_prefixes",
@@ -133,7 +134,8 @@ class Checkpointer:
         weights: the model whose trainable weights are saved (the peft model, unwrapped).
         shared: parts equal on every rank (optimizer, scheduler, scaler, sampler, the best tracker), saved once.
         per_rank: parts that differ by rank (the log window); each rank's copy is saved and
-            restored to the same rank. The RNG states are always added.
+            restored to the same rank (on another number of processes: ``_restore_ranks``). The RNG states are
+            always added.
         fingerprint: the settings that fix which samples each step sees (``data.DataOrder``): its
             ``values`` go into the manifest, and ``changes_from(saved)`` names what a resume would change.
         best: the best evaluation so far (``evaluation.best.BestTracker``): a checkpoint of an evaluated step
@@ -261,16 +263,19 @@ class Checkpointer:
         parallel.after_rank_zero(write, what, self.save_timeout_s, "trainer.save_timeout_s")
         return {"step": step, **self.writer.checked} if self.writer.checked else {}
 
-    def resume(self, resume: str) -> int | None:
-        """Restore every part from ``trainer.resume`` (auto: this run's newest checkpoint, if any).
+    def resume(self, folder: Path | None) -> int | None:
+        """Restore every part from ``folder``, the checkpoint ``find_checkpoint`` found for ``trainer.resume``.
+
+        A checkpoint saved on another number of processes resumes when this run shares its micro-batches per step
+        (``planned_for``): the weights and optimizer state are whole or resharded (FSDP2), the sampler takes the
+        same place in the same plan, and the per-rank parts are shared out (``_restore_ranks``).
 
         Returns:
-            The step the checkpoint was saved at, or None when there is nothing to resume.
+            The step the checkpoint was saved at, or None when there is nothing to resume (``folder`` None).
 
         Raises:
             CheckpointError: the checkpoint does not fit this run (world size, data order, model).
         """
-        folder = find_checkpoint(resume, self.run_dir)
         if folder is None:
             return None
         check_same_data_order(folder, self.fingerprint)  # find_checkpoint verified every file's hash
@@ -282,20 +287,39 @@ class Checkpointer:
             load_trainable_weights(self.weights, folder / WEIGHTS)
         fresh = {name: part.state_dict() for name, part in self.per_rank.items()}
         fresh_shared = {name: part.state_dict() for name, part in self.shared.items()}
-        version = version_of(read_manifest(folder))
-        state = upgrade_state(load_state(folder), version, fresh, self.env.world_size, fresh_shared)
+        manifest = read_manifest(folder)
+        saved_world = int(manifest["world_size"])
+        state = upgrade_state(load_state(folder), version_of(manifest), fresh, saved_world, fresh_shared)
         for name in state["missing"]:
             log.warning("%s keeps no %s: it starts afresh on resume", folder, name)
         for name, part in self._shared(sharded).items():
             part.load_state_dict(state[name])
         for name, part in self.per_rank.items():
-            part.load_state_dict(state[name][self.env.rank])
+            _restore_ranks(part, state[name], self.env.rank, self.env.world_size)
         adopt = partial(self.writer.adopt_best, folder.parent.parent, self.best.best_step)
         parallel.after_rank_zero(adopt, "carry best/ over", self.save_timeout_s, "trainer.save_timeout_s")
         log.info("resumed from %s at step %d (epoch %d)", folder, state["step"], state["sampler"]["epoch"])
+        if saved_world != self.env.world_size:
+            log.info(
+                "%s was saved by %s and resumes on %d: the same micro-batches each step; a rank past the saved "
+                "ones draws dropout masks of its own",
+                folder, _processes(saved_world), self.env.world_size,
+            )  # fmt: skip
         if folder.parent.parent.resolve() == self.run_dir.resolve():  # resumed into another folder: none in this one
             self.saved_step = state["step"]
         return state["step"]
+
+
+def _restore_ranks(part: Stateful, saved: list[dict[str, Any]], rank: int, world_size: int) -> None:
+    """Restore this rank's per-rank ``part`` from every saved rank's: its own on the same number of processes. On
+    another, a part that knows how to share them out does (the log window: ``load_saved_ranks``); any other takes
+    the saved rank of its own number (the RNG streams), or on more processes than saved keeps its fresh state."""
+    if len(saved) == world_size:
+        part.load_state_dict(saved[rank])
+    elif hasattr(part, "load_saved_ranks"):
+        part.load_saved_ranks(saved, rank, world_size)
+    elif rank < len(saved):
+        part.load_state_dict(saved[rank])
 
 
 def _fix_for(err: BaseException, run_dir: Path, noun: str) -> str:
@@ -335,14 +359,43 @@ def check_same_data_order(folder: Path, fingerprint: Fingerprint) -> None:
     Raises:
         CheckpointError: naming every setting that changed (as the user sets it), old and new.
     """
-    changed = fingerprint.changes_from(read_manifest(folder)["data_order"])
+    saved = read_manifest(folder)["data_order"]
+    changed = fingerprint.changes_from(saved)
     if changed:
         details = ", ".join(changed)
         raise CheckpointError(
             f"{folder} was saved with a different data order ({details}); resuming would silently train on "
-            "other samples. Resume with the same data.*, optim.grad_accum_steps, trainer.seed and number of "
-            "processes, or set trainer.resume=none to start over."
+            "other samples. Resume with the same data.*, trainer.seed and micro-batches per step "
+            f"({_same_step(saved, int(fingerprint.values['world_size']))}), or set trainer.resume=none to start over."
         )
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _same_step(saved: dict[str, Any], world: int) -> str:
+    """The saved plan's micro-batches per step, and how a run on ``world`` processes keeps them: the
+    optim.grad_accum_steps that does, or the process counts that can."""
+    saved_world, saved_accum = int(saved["world_size"]), int(saved["grad_accum_steps"])
+    per_step = saved_world * saved_accum
+    was = f"saved: {_processes(saved_world)} x optim.grad_accum_steps={saved_accum}"
+    if per_step % world == 0:
+        return f"{was}; on {_processes(world)}: optim.grad_accum_steps={per_step // world}"
+    counts = [str(n) for n in range(1, per_step + 1) if per_step % n == 0]
+    return f"{was} = {per_step}, which {_processes(world)} cannot split: run {', '.join(counts)} processes"
+
+
+def planned_for(folder: Path | None, env: DistEnv) -> tuple[int, int] | None:
+    """The ``(world_size, grad_accum_steps)`` the data plan of the checkpoint in ``folder`` was made for, when it
+    was saved on another number of processes than this run's (``env``): the run trains that plan, dealt to its
+    own ranks, if it shares its micro-batches per step (``data.build_training_data``; else the data-order check
+    refuses the checkpoint, naming the optim.grad_accum_steps that would). None: no checkpoint, or the same number."""
+    if folder is None:
+        return None
+    saved = read_manifest(folder)["data_order"]
+    layout = (int(saved["world_size"]), int(saved["grad_accum_steps"]))
+    return None if layout[0] == env.world_size else layout
 
 
 # ----------------------------------------------------------------------------- writing

@@ -9,9 +9,12 @@ Versions this code reads (``READS``):
 - 2: the manifest says ``format_version: 2``; every per-rank part is there under its current name, but the state
   keeps no best evaluation (``best``: trainer.keep_best_n and early stopping came later).
 - 3: the state keeps ``best`` too; a manifest may carry the step's ``eval`` metrics.
-- 4 (``FORMAT_VERSION``): a sharded model's checkpoint (``parallel.strategy=fsdp2``) holds ``sharded/``, every
-  rank's shards of the trainable weights and of the optimizer state, and its state keeps no ``optimizer``; a
-  replica's is a version 3 one. Read as 3: a version-3 checkpoint has no ``sharded/`` and resumes a DDP run.
+- 4: a sharded model's checkpoint (``parallel.strategy=fsdp2``) holds ``sharded/``, every rank's shards of the
+  trainable weights and of the optimizer state, and its state keeps no ``optimizer``; a replica's is a version 3
+  one. Read as 3: a version-3 checkpoint has no ``sharded/`` and resumes a DDP run.
+- 5 (``FORMAT_VERSION``): the sampler's state says the number of processes its position counts micro-steps of
+  (``world_size``), so a run on another number resumes at the same place in the plan. Earlier versions' position
+  counts those of the manifest's ``world_size``, the processes that wrote it.
 
 ``upgrade_manifest`` and ``upgrade_state`` turn a checkpoint of any version in ``READS`` into the current shape, so
 the parts that load from it (the log window, the data order, the checkpointer) read one shape only. A checkpoint of
@@ -24,8 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 4
-READS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READS = (1, 2, 3, 4, 5)
 VERSION_KEY = "format_version"
 
 
@@ -77,6 +80,8 @@ def upgrade_state(
     Returns:
         A new state; ``missing`` lists the parts that start afresh (``state["missing"]``).
     """
+    if version < 5:
+        state = {**state, "sampler": {"world_size": world_size, **state["sampler"]}}
     if version >= 3:
         return {**state, "missing": []}
     shared = {name: value for name, value in (fresh_shared or {}).items() if name not in state}

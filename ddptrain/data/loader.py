@@ -29,7 +29,7 @@ from ddptrain.data.collate import Collator, RowsDataset, build_collator
 from ddptrain.data.encode import RANK_ZERO_ONLY
 from ddptrain.data.mixture import build_datasets
 from ddptrain.data.plan import BatchingSpec, eval_batch_plan
-from ddptrain.data.sampler import DistributedBatchSampler
+from ddptrain.data.sampler import DistributedBatchSampler, Layout
 from ddptrain.data.show import marked_text
 from ddptrain.data.tokenized import TokenizedData
 from ddptrain.parallel import DistEnv
@@ -69,7 +69,7 @@ class TrainingData:
         step: list[dict[str, Any]] = []
         for batch in self.loader:
             step.append(batch)
-            if len(step) == self.sampler.spec.grad_accum_steps:
+            if len(step) == self.sampler.layout.grad_accum_steps:
                 yield step
                 step = []
         if step:
@@ -77,7 +77,7 @@ class TrainingData:
 
     def steps_per_epochs(self, epochs: int) -> int:
         """Optimizer steps in the first ``epochs`` epochs (token_budget and packed plans vary by epoch)."""
-        accum = self.sampler.spec.grad_accum_steps
+        accum = self.sampler.layout.grad_accum_steps
         return sum(ceil_div(self.sampler.epoch_length(epoch), accum) for epoch in range(epochs))
 
     def eval_batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -128,6 +128,7 @@ def build_training_data(
     seed: int,
     grad_accum_steps: int,
     flash_varlen: bool,
+    planned_for: tuple[int, int] | None = None,
 ) -> TrainingData:
     """Tokenize (local rank 0 first, the others read its cache), plan the batches, build the loader.
 
@@ -140,6 +141,10 @@ def build_training_data(
         grad_accum_steps: ``optim.grad_accum_steps`` (micro-batches per optimizer step).
         flash_varlen: the model runs flash-attention's varlen kernel
             (``model.attn_implementation=flash_attention_2``): packed rows carry their sample lengths.
+        planned_for: ``(world_size, grad_accum_steps)`` of the plan a checkpoint this run resumes on another
+            number of processes was made for (``checkpoint.planned_for``): with as many micro-batches per step
+            (``world_size * grad_accum_steps``), its steps' micro-batches are dealt to this run's ranks; None, or
+            other micro-batches per step: this run's own plan (the checkpoint's data-order check refuses it then).
 
     Raises:
         ValueError: unreadable data, or too little of it for one micro-step (naming the key).
@@ -149,8 +154,13 @@ def build_training_data(
         data = build_datasets(cfg, tokenizer, seed)
     log_first_sample(data.train, tokenizer)
     hangs.board.enter("plan_batches")  # back under parallel.timeout_s: the plan check below is a collective
-    spec = build_batching_spec(cfg, env.world_size, grad_accum_steps, seed)
-    sampler = DistributedBatchSampler(data.train["length"], spec, env.rank, data.epoch_rows)
+    layout = Layout(env.world_size, grad_accum_steps)
+    planned = Layout(*planned_for) if planned_for else layout
+    if planned.micro_batches_per_step != layout.micro_batches_per_step:
+        planned = layout
+    plan_world, plan_accum = planned.world_size, planned.grad_accum_steps
+    spec = build_batching_spec(cfg, plan_world, plan_accum, seed)
+    sampler = DistributedBatchSampler(data.train["length"], spec, env.rank, data.epoch_rows, layout)
     parallel.check_same_on_all_ranks(
         len(sampler), "micro-batches per epoch", "Every rank must build the same batch plan; this is a bug."
     )
@@ -163,7 +173,7 @@ def build_training_data(
     collator = build_collator(cfg, tokenizer.pad_token_id, flash_varlen)
     loader = _build_loader(data.train, sampler, collator, cfg.num_workers, env, seed)
     fingerprint = DataOrder.build(
-        cfg, world_size=env.world_size, seed=seed, grad_accum_steps=grad_accum_steps, dataset_rows=len(data.train)
+        cfg, world_size=plan_world, seed=seed, grad_accum_steps=plan_accum, dataset_rows=len(data.train)
     )
     eval_collator = Collator(tokenizer.pad_token_id, cfg.pad_to_multiple_of)
     return TrainingData(data.train, data.eval, sampler, loader, fingerprint, eval_collator, cfg.micro_batch_size, env)
@@ -201,7 +211,9 @@ def _build_loader(
 class DataOrder:
     """The settings that fix which samples each step sees: a resumed run must share every one.
 
-    ``values`` go into each checkpoint's manifest (``data_order``) under these short names.
+    ``values`` go into each checkpoint's manifest (``data_order``) under these short names. ``world_size`` and
+    ``grad_accum_steps`` are those the plan is made for: a run resumed on another number of processes trains its
+    checkpoint's plan and keeps them (``checkpoint.planned_for``).
     """
 
     values: dict[str, Any]
@@ -222,9 +234,9 @@ class DataOrder:
 
         Args:
             cfg: the ``data`` group.
-            world_size: number of processes.
+            world_size: the number of processes the plan is made for.
             seed: ``trainer.seed``.
-            grad_accum_steps: ``optim.grad_accum_steps``.
+            grad_accum_steps: the ``optim.grad_accum_steps`` the plan is made for.
             dataset_rows: training rows left after tokenizing.
         """
         values = {

@@ -424,3 +424,18 @@ def eval_batch_plan(lengths: Sequence[int], micro_batch_size: int, world_size: i
         plan[rank].append(batch)
         heapq.heappush(loads, (load + len(batch) * lengths[batch[-1]], rank))
     return plan
+
+
+def relayout(plan: list[list[MicroBatch]], world_size: int) -> tuple[list[list[MicroBatch]], int]:
+    """An epoch's plan dealt to ``world_size`` ranks, as a run resumed on another number of processes trains it: its
+    micro-batches in the order the plan holds them (micro-step by micro-step, rank by rank), ``world_size`` to each
+    new micro-step. With as many micro-batches per optimizer step (``world_size * grad_accum_steps`` unchanged) every
+    step trains on the same micro-batches as under the plan's own layout.
+
+    Returns:
+        The new plan and the micro-batches at the epoch's end that fill no whole micro-step (left out: fewer than
+        ``world_size``, only where the plan's last optimizer step is short).
+    """
+    flat = [batch for step in plan for batch in step]
+    whole = len(flat) - len(flat) % world_size
+    return [flat[i : i + world_size] for i in range(0, whole, world_size)], len(flat) - whole

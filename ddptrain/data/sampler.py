@@ -1,20 +1,45 @@
 """One rank's micro-batches for the DataLoader: the epoch plan (``plan.py``) read at this rank's column.
 
 ``DistributedBatchSampler`` holds the data position (epoch, micro-steps consumed) that a checkpoint saves
-and a resumed run restores; a weighted mixture gives it the rows each epoch draws (``EpochRows``).
+and a resumed run restores; a weighted mixture gives it the rows each epoch draws (``EpochRows``). A run resumed on
+another number of processes trains the plan its checkpoint was made for, dealt to its own ranks (``Layout``).
 Pure Python and numpy: no torch, no communication.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from ddptrain.data.plan import BatchingSpec, MicroBatch, check_lengths, plan_epoch
+from ddptrain.data.batch_cost import ceil_div
+from ddptrain.data.plan import BatchingSpec, MicroBatch, check_lengths, plan_epoch, relayout
+
+log = logging.getLogger(__package__)
 
 EpochRows = Callable[[int], Sequence[int]]
 """The dataset indices an epoch draws from (``data.sources`` with weights draws anew each epoch)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run trains the plan: its processes and the micro-steps each optimizer step accumulates. A run's own
+    plan is made for its layout; one resumed on another number of processes trains its checkpoint's plan, whose
+    ``world_size * grad_accum_steps`` micro-batches per step it shares (``plan.relayout``)."""
+
+    world_size: int
+    grad_accum_steps: int
+
+    @classmethod
+    def of(cls, spec: BatchingSpec) -> Layout:
+        """The layout a plan is made for."""
+        return cls(spec.world_size, spec.grad_accum_steps)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.world_size * self.grad_accum_steps
 
 
 class DistributedBatchSampler:
@@ -25,22 +50,36 @@ class DistributedBatchSampler:
     ``skip`` or ``load_state_dict``, and ``state_dict`` gives them back for a checkpoint.
     """
 
-    def __init__(self, lengths, spec: BatchingSpec, rank: int, epoch_rows: EpochRows | None = None):
+    def __init__(
+        self,
+        lengths,
+        spec: BatchingSpec,
+        rank: int,
+        epoch_rows: EpochRows | None = None,
+        layout: Layout | None = None,
+    ):
         """Plan epoch 0.
 
         Args:
             lengths: token length of every sample (1-D integers).
-            spec: batching spec, equal on every rank.
-            rank: this process's rank, ``0 <= rank < spec.world_size``.
+            spec: batching spec, equal on every rank: what the plan is made for.
+            rank: this process's rank, ``0 <= rank < layout.world_size``.
             epoch_rows: the samples each epoch draws from (a weighted mixture draws anew every epoch);
                 None = every sample, every epoch.
+            layout: the run's processes and micro-steps per optimizer step, when they are not the plan's (a run
+                resumed on another number of processes); None: the spec's.
 
         Raises:
-            ValueError: rank out of range, or the data cannot fill one micro-step (see ``plan_epoch``).
+            ValueError: rank out of range, a layout with other micro-batches per step than the plan's, or the data
+                cannot fill one micro-step (see ``plan_epoch``).
         """
-        if not 0 <= rank < spec.world_size:
-            raise ValueError(f"rank {rank} is outside 0..{spec.world_size - 1} for world_size {spec.world_size}")
+        layout = layout or Layout.of(spec)
+        if layout.micro_batches_per_step != Layout.of(spec).micro_batches_per_step:
+            raise ValueError(f"{layout} does not train a plan of {Layout.of(spec)}: it steps on other micro-batches")
+        if not 0 <= rank < layout.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{layout.world_size - 1} for world_size {layout.world_size}")
         self.spec = spec
+        self.layout = layout
         self.rank = rank
         self._lengths = check_lengths(lengths, spec)
         self._epoch_rows = epoch_rows
@@ -49,12 +88,23 @@ class DistributedBatchSampler:
         self._plan = self._plan_of(0)
 
     def _plan_of(self, epoch: int) -> list[list[MicroBatch]]:
-        """The epoch's plan over the samples it draws, in dataset indices."""
+        """The epoch's plan over the samples it draws, in dataset indices, dealt to the run's ranks."""
         if self._epoch_rows is None:
-            return plan_epoch(self._lengths, self.spec, epoch)
-        rows = np.asarray(self._epoch_rows(epoch), dtype=np.int64)
-        plan = plan_epoch(self._lengths[rows], self.spec, epoch)
-        return [[[tuple(int(rows[i]) for i in row) for row in batch] for batch in step] for step in plan]
+            plan = plan_epoch(self._lengths, self.spec, epoch)
+        else:
+            rows = np.asarray(self._epoch_rows(epoch), dtype=np.int64)
+            plan = plan_epoch(self._lengths[rows], self.spec, epoch)
+            plan = [[[tuple(int(rows[i]) for i in row) for row in batch] for batch in step] for step in plan]
+        if self.layout == Layout.of(self.spec):
+            return plan
+        plan, left_out = relayout(plan, self.layout.world_size)
+        if left_out:
+            log.warning(
+                "epoch %d: the last %d micro-batches of the plan this run resumed (made for %d processes) fill no "
+                "micro-step of %d processes and are left out; the run it resumed trained them in a short last step",
+                epoch, left_out, self.spec.world_size, self.layout.world_size,
+            )  # fmt: skip
+        return plan
 
     @property
     def epoch_rows(self) -> EpochRows | None:
@@ -111,17 +161,24 @@ class DistributedBatchSampler:
         return [[int(self._lengths[i]) for i in row] for step in self._plan for row in step[self.rank]]
 
     def state_dict(self) -> dict:
-        """``{"epoch": int, "position": int}``: enough to resume mid-epoch."""
-        return {"epoch": self._epoch, "position": self._position}
+        """``{"epoch": int, "position": int, "world_size": int}``: enough to resume mid-epoch, on any number of
+        processes that shares the plan's micro-batches per step (the position counts micro-steps of
+        ``world_size`` micro-batches)."""
+        return {"epoch": self._epoch, "position": self._position, "world_size": self.layout.world_size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore epoch and position, so iterating yields exactly the rest of that epoch.
+        """Restore epoch and position, so iterating yields exactly the rest of that epoch; a position saved by a
+        run on another number of processes is taken at the same micro-batch of the plan (a step's end: the first
+        of the next step).
 
         Raises:
             ValueError: the position lies outside the epoch.
         """
         self.set_epoch(int(state["epoch"]))
-        self._set_position(int(state["position"]))
+        position, saved_world = int(state["position"]), int(state["world_size"])
+        if saved_world != self.layout.world_size:  # at the same micro-batch of the plan (left out at its end: past it)
+            position = min(ceil_div(position * saved_world, self.layout.world_size), len(self._plan))
+        self._set_position(position)
 
     def _set_position(self, position: int) -> None:
         if not 0 <= position <= len(self._plan):

@@ -117,6 +117,23 @@ class Window:
         counts = {"target_tokens": int(self.target_tokens), "overflowed_steps": int(self.overflowed_steps)}
         return {**asdict(self), "loss_sum": float(self.loss_sum), **counts}
 
+    def load_saved_ranks(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+        """This rank's window on resume from the windows of a run on another number of processes: the saved ranks'
+        micro-steps dealt to ``world_size`` ranks as the plan is (``data.plan.relayout``), so every rank holds as
+        many, and the sums of the saved ranks it stands for (saved rank ``r`` goes to rank ``r mod world_size``;
+        none on more processes), so the first record after the resume still adds up every saved rank's steps."""
+        mine = states[rank::world_size]
+        micro_steps = [entry for column in zip(*(s["batch_tokens"] for s in states), strict=True) for entry in column]
+        micro_steps = micro_steps[: len(micro_steps) - len(micro_steps) % world_size]  # a short step left out
+        self.load_state_dict({
+            "loss_sum": sum(s["loss_sum"] for s in mine),
+            "target_tokens": sum(s["target_tokens"] for s in mine),
+            "flops": sum(s["flops"] for s in mine),
+            "batch_tokens": micro_steps[rank::world_size],
+            "overflowed_steps": states[0]["overflowed_steps"],  # steps, not ranks: the same on every rank
+            "steps": states[0]["steps"],
+        })  # fmt: skip
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss_sum = float(state["loss_sum"])
         self.target_tokens = int(state["target_tokens"])

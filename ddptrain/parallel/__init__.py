@@ -30,7 +30,7 @@ from ddptrain.parallel.collectives import (
     weights_checksum,
 )
 from ddptrain.parallel.ddp import CommCounter
-from ddptrain.parallel.fsdp import gathered, is_sharded, load_shards, save_shards, whole_trainable
+from ddptrain.parallel.fsdp import gathered, is_sharded, load_shards, materialize, save_shards, whole_trainable
 from ddptrain.parallel.group import (
     FAILED_EXIT_GRACE_S,
     NCCL_GRACE_MIN_S,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +86,11 @@ def shard_model(
     """Shard ``loss_module`` in place (its class becomes FSDP's, its parameters DTensors) and return it.
 
     Every rank built the same weights (checked first, as for DDP, by a checksum); each keeps its shard of each
-    parameter and frees the rest. ``compute_dtype``: what the units gather their parameters in (None: as stored).
+    parameter and frees the rest. A model built on the meta device has no weights yet: ``materialize`` gives each
+    rank its shards after this. ``compute_dtype``: what the units gather their parameters in (None: as stored).
     """
-    check_replicas_agree(loss_module)
+    if not any(p.is_meta for p in loss_module.parameters()):
+        check_replicas_agree(loss_module)
     for p in loss_module.parameters():
         if p.requires_grad and p.dtype != torch.float32:
             p.data = p.data.float()  # fp32 masters: the optimizer steps these, computed in compute_dtype
@@ -115,6 +117,26 @@ def shard_model(
 def _count(unit: FSDPModule, counter: CommCounter, last: bool) -> None:
     unit.set_custom_all_gather(CountingAllGather(counter))
     unit.set_custom_reduce_scatter(CountingReduceScatter(counter, last))
+
+
+def materialize(module: nn.Module, device: torch.device, rows: Callable[[str, int, int], torch.Tensor]) -> None:
+    """A module built on the meta device and sharded, made real: this rank allocates its shards on ``device`` and
+    copies into each its rows of the whole parameter, ``rows(name, start, stop)`` (``fully_shard`` cuts the first
+    dimension in chunks of ceil(rows / ranks), rank r's starting at r times that), so no rank holds a whole weight.
+    The buffers (rotary frequencies, built on the host) are kept. Every rank calls it; no collective runs."""
+    buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            buffer.copy_(buffers[name])
+        for name, param in module.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if not local.dim():
+                local.copy_(rows(name, 0, 1).reshape(()))
+                continue
+            chunk = -(-param.shape[0] // param.device_mesh.size()) if isinstance(param, DTensor) else 0
+            start = chunk * param.device_mesh.get_local_rank() if isinstance(param, DTensor) else 0
+            local.copy_(rows(name, start, start + local.shape[0]))
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -30,11 +30,14 @@ def wrap_model(
     return wrap_ddp(model, cfg, env, counter)
 
 
-def load_device(cfg: ParallelConfig) -> torch.device | None:
-    """Where the model's weights are built or loaded, if not on the training device: FSDP2's on the host (every rank
-    builds the whole model there; ``fully_shard`` then moves each unit to the device and keeps its shard, so no GPU
-    ever holds the whole model); DDP's on the device (None)."""
-    return torch.device("cpu") if cfg.strategy == Strategy.fsdp2 else None
+def load_device(cfg: ParallelConfig, pretrained: bool) -> torch.device | None:
+    """Where the model's weights are built or loaded, if not on the training device. FSDP2's: a pretrained model on
+    the meta device (no weights until sharded; each rank then reads its rows: ``weights.materialize``), a random one
+    on the host (every rank draws the whole model there; ``fully_shard`` then moves each unit to the device and
+    keeps its shard). DDP's: on the device (None). ``pretrained``: ``model.init=pretrained``."""
+    if cfg.strategy != Strategy.fsdp2:
+        return None
+    return torch.device("meta" if pretrained else "cpu")
 
 
 @contextlib.contextmanager

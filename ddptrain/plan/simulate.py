@@ -185,7 +185,7 @@ def _fake_loss_module(config: PretrainedConfig, cfg: ModelConfig, mode: FakeTens
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[cfg.dtype], attn_implementation=attention)
     if cfg.lora:
-        model = apply_lora(model, cfg)
+        model = apply_lora(model, cfg, seed=0)  # on the meta device: shapes only, nothing drawn
     if cfg.gradient_checkpointing:
         apply_gradient_checkpointing(model, cfg.gradient_checkpointing_reentrant)
     module = CausalLMLoss(model, cfg.loss_chunk_tokens)

@@ -2,8 +2,12 @@
 fine-tune, with accumulation), its collectives counted where they run, half the memory held per rank, sharded
 checkpoints that resume bit for bit, and weights that load in plain peft.
 
-Five runs of the bundled model, 10 steps each, fp32, optim.grad_accum_steps=2, shared by the tests below: LoRA and a
-full fine-tune under each strategy, and the fsdp2 LoRA run resumed from its step-5 checkpoint into a new folder.
+Runs of the bundled model, 10 steps each, fp32, shared by the tests below: with optim.grad_accum_steps=2, LoRA and a
+full fine-tune under each strategy from the same pretrained folder (the bundled model's random weights, saved by
+transformers: FSDP2 builds the model on the meta device and each rank reads its rows of them; DDP loads them
+through from_pretrained), and the fsdp2 LoRA run resumed from its step-5 checkpoint into a new folder; and full
+fine-tunes of random weights (each rank draws the whole model) checkpointed at step 5 on one number of processes
+and resumed on another.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import pytest
 import torch
 
 from ddptrain.launch import launch
-from tests.conftest import compose_config, read_metrics
-from tests.distributed.workers_fsdp import train_and_report
+from tests.conftest import REPO, compose_config, read_metrics
+from tests.distributed.workers_fsdp import start_and_report, train_and_report
 from tests.numerics import reordered_sum_tolerance
 
 pytestmark = pytest.mark.dist
@@ -37,13 +41,25 @@ COMMON = [
 ]
 SAVES = ["trainer.save_every_n_steps=5", "trainer.save_final=true"]
 NO_SAVES = ["trainer.save_final=false", "trainer.save_check=off"]
+EVERY_STEP = ["optim.grad_accum_steps=2", "trainer.log_every_n_steps=1"]
 RUNS = {
-    "lora-ddp": ["parallel=ddp2", *NO_SAVES],
-    "lora-fsdp2": ["parallel=fsdp2_2", *SAVES],
-    "full-ddp": ["parallel=ddp2", "model.lora=false", *NO_SAVES],
-    "full-fsdp2": ["parallel=fsdp2_2", "model.lora=false", *NO_SAVES],
+    "lora-ddp": ["parallel=ddp2", *EVERY_STEP, *NO_SAVES],
+    "lora-fsdp2": ["parallel=fsdp2_2", *EVERY_STEP, *SAVES],
+    "full-ddp": ["parallel=ddp2", "model.lora=false", *EVERY_STEP, *NO_SAVES],
+    "full-fsdp2": ["parallel=fsdp2_2", "model.lora=false", *EVERY_STEP, *NO_SAVES],
     # A bf16 model's full fine-tune, which DDP refuses: fp32 masters, gathered in bf16, saved in bf16.
-    "full-fsdp2-bf16": ["parallel=fsdp2_2", "model.lora=false", "model.dtype=bf16", *SAVES],
+    "full-fsdp2-bf16": ["parallel=fsdp2_2", "model.lora=false", "model.dtype=bf16", *EVERY_STEP, *SAVES],
+}
+# Full fine-tunes (a tied head; AdamW's states resharded under fsdp2) of 2 micro-batches per step, checkpointed at
+# step 5 with a log window open (logged every 4 steps): on 2 processes x 1 micro-step, then resumed on 1 x 2 (fsdp2),
+# and the other way round (ddp). Where one side has 1 rank or 1 micro-step, both add the step's two micro-batches'
+# gradients in the same order (an all-reduce of two, or two backwards into one .grad): bit for bit.
+ON_2 = ["parallel.nproc_per_node=2", "optim.grad_accum_steps=1"]
+ON_1 = ["parallel.nproc_per_node=1", "optim.grad_accum_steps=2"]
+ACROSS = ["model.lora=false", "trainer.log_every_n_steps=4", "trainer.save_every_n_steps=5", *NO_SAVES]
+RESUMED_ELSEWHERE = {  # uninterrupted run, then the run resumed from its step-5 checkpoint
+    "fsdp2": (["parallel=fsdp2_2", *ACROSS, *ON_2], ["parallel=fsdp2_2", *ACROSS, *ON_1]),
+    "ddp": (["parallel=ddp2", *ACROSS, *ON_1], ["parallel=ddp2", *ACROSS, *ON_2]),
 }
 
 
@@ -55,12 +71,28 @@ def run(out: Path, name: str, overrides: list[str]) -> Path:
     return run_dir
 
 
+def save_pretrained(folder: Path, overrides: list[str], seed: int = 0) -> list[str]:
+    """The model the overrides compose, with random weights from ``seed``, saved by transformers with its tokenizer
+    into ``folder``; returns the overrides that train it as a pretrained model."""
+    from ddptrain.model import build_base_model, build_tokenizer
+
+    cfg = compose_config(overrides)
+    build_base_model(cfg.model, seed).save_pretrained(folder)
+    build_tokenizer(cfg.model).save_pretrained(folder)
+    return ["model.init=pretrained", f"model.name_or_path={folder}", f"model.tokenizer={folder}"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("fsdp2")
-    done = {name: run(out, name, overrides) for name, overrides in RUNS.items()}
+    pretrained = save_pretrained(out / "pretrained", [])
+    done = {name: run(out, name, [*pretrained, *overrides]) for name, overrides in RUNS.items()}
     resume = f"trainer.resume={done['lora-fsdp2']}/checkpoints/step-00000005"
-    done["lora-fsdp2-resumed"] = run(out, "lora-fsdp2-resumed", [*RUNS["lora-fsdp2"], resume])
+    done["lora-fsdp2-resumed"] = run(out, "lora-fsdp2-resumed", [*pretrained, *RUNS["lora-fsdp2"], resume])
+    for strategy, (first, then) in RESUMED_ELSEWHERE.items():
+        done[f"across-{strategy}"] = run(out, f"across-{strategy}", first)
+        resume = f"trainer.resume={done[f'across-{strategy}']}/checkpoints/step-00000005"
+        done[f"across-{strategy}-resumed"] = run(out, f"across-{strategy}-resumed", [*then, resume])
     return done
 
 
@@ -74,11 +106,13 @@ def ranks(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
 def test_fsdp2_trains_what_ddp_trains_on_the_same_batches(runs, mode) -> None:
-    """Every trainable parameter after 10 steps of 2 micro-steps equals DDP's, bit for bit (fp32, no clipping). On 2
-    ranks both add the same two ranks' gradients (an all-reduce; a reduce-scatter, which gloo runs as an all-reduce
-    and slices) and halve them, and AdamW steps each element alike, whole or in shards. The gradient norm each step
-    logs (its square a sum over every gradient element, in shards against whole tensors) agrees within the rounding
-    of that sum in another order: a gradient scaled wrongly is off by the factor."""
+    """Every trainable parameter after 10 steps of 2 micro-steps equals DDP's, bit for bit (fp32, no clipping). Both
+    start from the same pretrained folder, FSDP2 by reading each rank's rows of it into a model built on the meta
+    device (its LoRA adapters from trainer.seed as DDP's), DDP through from_pretrained. On 2 ranks both add the same
+    two ranks' gradients (an all-reduce; a reduce-scatter, which gloo runs as an all-reduce and slices) and halve
+    them, and AdamW steps each element alike, whole or in shards. The gradient norm each step logs (its square a sum
+    over every gradient element, in shards against whole tensors) agrees within the rounding of that sum in another
+    order: a gradient scaled wrongly is off by the factor."""
     ddp, fsdp2 = params(runs[f"{mode}-ddp"]), params(runs[f"{mode}-fsdp2"])
     assert ddp.keys() == fsdp2.keys() and ddp
     differ = [k for k in ddp if not torch.equal(ddp[k], fsdp2[k])]
@@ -186,3 +220,56 @@ def test_the_adapter_is_the_gathered_tensors_and_loads_in_plain_peft(runs) -> No
     assert lora and all(torch.equal(loaded[k], v) for k, v in lora.items())
     checks = [r for r in read_metrics(run_dir) if "save_check_s" in r]
     assert [r["step"] for r in checks] == [5, 10, 10] and "save_check_round_trip" in checks[-1]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_a_checkpoint_resumes_on_another_number_of_processes_bit_identical(runs, strategy) -> None:
+    """fsdp2: a sharded checkpoint of 2 processes resumed on 1 (with optim.grad_accum_steps=2, the same 2
+    micro-batches per step); ddp: 1 process resumed on 2. Each ends with the uninterrupted run's parameters, bit for
+    bit, so every step trained on the same micro-batches with the same weights and optimizer state; and the log
+    window open at the checkpoint is shared out over the new ranks: the first record after the resume counts the
+    uninterrupted run's tokens exactly, and its loss within the rounding of adding a step's two micro-batches' losses
+    in fp32 on one rank (in float64 across two)."""
+    whole, resumed = params(runs[f"across-{strategy}"]), params(runs[f"across-{strategy}-resumed"])
+    assert whole.keys() == resumed.keys() and whole
+    differ = [k for k in whole if not torch.equal(whole[k], resumed[k])]
+    assert not differ, f"{len(differ)} of {len(whole)} differ: {differ[:3]}"
+    records = [
+        {r["step"]: r for r in read_metrics(runs[name]) if "loss" in r and r["step"] > 5}
+        for name in (f"across-{strategy}", f"across-{strategy}-resumed")
+    ]
+    assert sorted(records[0]) == sorted(records[1]) == [8, 10]
+    for step in (8, 10):
+        ours, theirs = records[0][step], records[1][step]
+        assert (ours["tokens"], ours["target_tokens"]) == (theirs["tokens"], theirs["target_tokens"]), step
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=reordered_sum_tolerance(2)), step
+
+
+def test_no_rank_holds_the_whole_pretrained_model_while_an_fsdp2_run_starts(tmp_path) -> None:
+    """A 52M-parameter model (209 MB in fp32) in a pretrained folder, started under fsdp2 on 2 ranks
+    (model.init=pretrained: built on the meta device, each rank reading its rows from the files): how far each
+    rank's peak resident memory rises while the Trainer is built (VmHWM, reset just before), less what the same
+    start costs with the bundled 1M-parameter model (the data, the libraries), is about its half of the model and
+    well under the whole. The same model drawn at random (model.init=random: every rank builds it whole on its host,
+    then shards it) costs more than the whole model on each rank: the measurement sees a whole copy where there is
+    one. Both hold half the model's parameter bytes once it is sharded."""
+    config = json.loads((REPO / "ddptrain" / "assets" / "tiny_qwen2" / "config.json").read_text())
+    config |= {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12}
+    (tmp_path / "wide").mkdir()
+    (tmp_path / "wide" / "config.json").write_text(json.dumps(config))
+    wide = [f"model.name_or_path={tmp_path / 'wide'}"]
+    starts = {"bundled": [], "meta": save_pretrained(tmp_path / "pretrained", wide), "host": wide}
+    common = ["parallel=fsdp2_2", "model.lora=false", "data.max_rows=64", *NO_SAVES, "plan.at_start=false"]
+    report = {}
+    for name, overrides in starts.items():
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        cfg = compose_config([f"trainer.output_dir={tmp_path}", *COMMON, *common, *overrides])
+        launch(cfg, run_dir, entrypoint=start_and_report)
+        report[name] = [json.loads((run_dir / f"start{r}.json").read_text()) for r in (0, 1)]
+    whole = report["meta"][0]["model_bytes"]
+    assert whole > 200e6, whole
+    for bundled, meta, host in zip(report["bundled"], report["meta"], report["host"], strict=True):
+        assert meta["held_bytes"] == host["held_bytes"] and 0.45 <= meta["held_bytes"] / whole <= 0.55, meta
+        model_growth = {name: r["peak_growth"] - bundled["peak_growth"] for name, r in (("meta", meta), ("host", host))}
+        assert model_growth["meta"] < 0.75 * whole and model_growth["host"] > whole, (model_growth, whole)

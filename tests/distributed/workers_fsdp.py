@@ -60,3 +60,31 @@ def train_and_report(cfg: RunConfig, run_dir: str, store_port: int | None) -> No
             torch.save({n: t for n, t in whole.items() if named[n].requires_grad}, Path(run_dir) / "params.pt")
     finally:
         parallel.teardown()
+
+
+def _status_bytes(key: str) -> int:
+    """``VmRSS`` or ``VmHWM`` of this process, from /proc, in bytes."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(f"{key}:"))
+    return int(line.split()[1]) * 1024
+
+
+def start_and_report(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
+    """Build the Trainer (the run's start: data, model, sharding, weights) and nothing more; every rank writes
+    ``start{N}.json``: how far its peak resident memory rose above where it stood before (the peak reset first:
+    ``clear_refs`` 5), the bytes of its parameters (the storages it holds), and the whole model's parameter bytes."""
+    env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
+    try:
+        setup_logging(env.rank, None)
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status_bytes("VmRSS")
+        trainer = Trainer(cfg, env, Path(run_dir))
+        peak = _status_bytes("VmHWM")
+        params = list(trainer.loss_module.parameters())
+        report = {
+            "peak_growth": peak - before,
+            "held_bytes": held_bytes(params),
+            "model_bytes": sum(p.numel() * p.element_size() for p in params),
+        }
+        (Path(run_dir) / f"start{env.rank}.json").write_text(json.dumps(report))
+    finally:
+        parallel.teardown()

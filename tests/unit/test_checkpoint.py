@@ -216,6 +216,29 @@ def test_a_resume_that_would_change_the_data_order_names_the_keys_as_the_user_se
         build_trainer(tmp_path, ["trainer.seed=3", "data.max_length=256", "optim.grad_accum_steps=2"])
 
 
+@pytest.mark.parametrize(
+    ("world", "accum", "fix"),
+    [
+        (1, 2, r"saved: 2 processes x optim\.grad_accum_steps=2; on 1 process: optim\.grad_accum_steps=4\)"),
+        (3, 1, r"optim\.grad_accum_steps=2 = 4, which 3 processes cannot split: run 1, 2, 4 processes\)"),
+    ],
+)
+def test_a_resume_on_another_number_of_processes_is_told_the_accumulation_that_keeps_each_step(
+    tmp_path, world, accum, fix
+) -> None:
+    """A checkpoint of 2 processes x 2 micro-steps resumes on any number of processes that keeps its 4 micro-batches
+    per step (``data.build_training_data`` trains its plan there); one that does not is refused, and the error names
+    the optim.grad_accum_steps that keeps them on this number of processes, or the numbers that can."""
+    from ddptrain.data import DataOrder
+
+    data_cfg = compose_config([]).data
+    order = lambda w, a: DataOrder.build(data_cfg, world_size=w, seed=0, grad_accum_steps=a, dataset_rows=9)  # noqa: E731
+    checkpoint._write_manifest(tmp_path, {"step": 4, "world_size": 2, "data_order": order(2, 2).values})
+    checkpoint.check_same_data_order(tmp_path, order(2, 2))
+    with pytest.raises(checkpoint.CheckpointError, match=rf"number of processes: 2 -> {world}.*{fix}"):
+        checkpoint.check_same_data_order(tmp_path, order(world, accum))
+
+
 def rewrite_as_format_1(folder: Path, windows: list[dict] | None) -> None:
     """Make ``folder`` a checkpoint as ddptrain wrote them before the manifest said its format: no format_version,
     no ``sources`` in the data order of a run without a mixture, and the given log windows (None: none kept)."""

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ddptrain.config import Batching
 from ddptrain.data.batch_cost import round_up
 from ddptrain.data.plan import BatchingSpec, micro_batch_cost, plan_epoch
-from ddptrain.data.sampler import DistributedBatchSampler
+from ddptrain.data.sampler import DistributedBatchSampler, Layout
 
 FIXED_ROWS = (Batching.random, Batching.length_grouped)
 PROPERTY_SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -117,8 +117,52 @@ def test_resume_yields_the_remaining_sequence(case, epoch, data):
     original.skip(position)
     resumed = DistributedBatchSampler(lengths, spec, rank)
     resumed.load_state_dict(original.state_dict())
-    assert resumed.state_dict() == {"epoch": epoch, "position": position}
+    assert resumed.state_dict() == {"epoch": epoch, "position": position, "world_size": spec.world_size}
     assert list(resumed) == full[position:]
+
+
+@PROPERTY_SETTINGS
+@given(cases(), st.integers(0, 2), st.data())
+def test_a_run_on_another_number_of_processes_trains_each_step_on_the_same_micro_batches(case, epoch, data):
+    """A checkpoint's plan, made for W ranks x A micro-steps, trained on W' ranks x A' micro-steps with W*A = W'*A'
+    (a resume on another number of processes): every optimizer step trains on the plan's micro-batches of that step,
+    in the order the plan holds them (micro-step by micro-step, rank by rank: where W or A is 1 the accumulation adds
+    them as the plan's run did); and a data position saved at a step's end by the plan's own run resumes at the next
+    step on the new layout, and back."""
+    lengths, spec = case
+    per_step = spec.world_size * spec.grad_accum_steps
+    world = data.draw(st.sampled_from([n for n in range(1, per_step + 1) if per_step % n == 0]))
+    layout = Layout(world, per_step // world)
+    samplers = [DistributedBatchSampler(lengths, spec, rank, layout=layout) for rank in range(world)]
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+    columns = [list(sampler) for sampler in samplers]
+    plan, accum = plan_epoch(lengths, spec, epoch), spec.grad_accum_steps
+    full_steps = len(plan) // accum
+    for k in range(full_steps):
+        planned = [batch for step in plan[k * accum : (k + 1) * accum] for batch in step]
+        trained = [
+            columns[r][i]
+            for i in range(k * layout.grad_accum_steps, (k + 1) * layout.grad_accum_steps)
+            for r in range(world)
+        ]
+        assert trained == planned, k
+    k, rank = data.draw(st.integers(0, full_steps)), data.draw(st.integers(0, world - 1))
+    own = DistributedBatchSampler(lengths, spec, 0)
+    own.set_epoch(epoch)
+    own.skip(k * accum)
+    resumed = DistributedBatchSampler(lengths, spec, rank, layout=layout)
+    resumed.load_state_dict(own.state_dict())
+    assert list(resumed) == columns[rank][k * layout.grad_accum_steps :]
+    back = DistributedBatchSampler(lengths, spec, 0)
+    back.load_state_dict(resumed.state_dict())
+    assert back.state_dict() == own.state_dict()
+
+
+def test_a_layout_with_other_micro_batches_per_step_is_refused():
+    spec = BatchingSpec(Batching.random, 2, 1, 0, grad_accum_steps=2)
+    with pytest.raises(ValueError, match="other micro-batches"):
+        DistributedBatchSampler(np.full(10, 5), spec, 0, layout=Layout(1, 2))
 
 
 @PROPERTY_SETTINGS
@@ -201,7 +245,7 @@ def test_bad_arguments_are_rejected():
         DistributedBatchSampler(np.full(10, 5), BatchingSpec(Batching.random, 2, 1, 0), rank=2)
     sampler = DistributedBatchSampler(np.full(10, 5), BatchingSpec(Batching.random, 2, 1, 0), rank=0)
     with pytest.raises(ValueError, match="position 6 is outside"):
-        sampler.load_state_dict({"epoch": 0, "position": 6})
+        sampler.load_state_dict({"epoch": 0, "position": 6, "world_size": 2})
     with pytest.raises(ValueError, match="at least one token"):
         plan_epoch(np.array([3, 0, 2]), BatchingSpec(Batching.random, 1, 1, 0), 0)
 
