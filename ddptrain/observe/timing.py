@@ -22,6 +22,10 @@ quantity is read on the device's timeline instead: exposed = elapsed(event recor
 is launched, event at the end of backward), both on the compute stream. Either way it is moved from the
 compute column to the comm column.
 
+FSDP2 (``parallel.strategy=fsdp2``) on the CPU calls its all-gathers (forward and backward) and reduce-scatters
+synchronously: the time inside them (``parallel.fsdp``) is what the rank waited, moved to the comm column. On CUDA
+they run on side streams and are not timed: the compute column holds the wait for them.
+
 On CUDA every mark is a CUDA event; they are read once per log window (``close_window``), so timing adds
 no host synchronisation per micro-step.
 """
@@ -95,6 +99,8 @@ class StepClock:
         self.intervals.append((COLUMN_OF[self.phase], self.last, now, 1))
         if self.phase == "backward":
             self._book_exposed_comm(now)
+        elif COLUMN_OF[self.phase] is None:  # an evaluation's all-gathers (FSDP2) are no step's communication
+            self.comm.take_times()
         self.steps += phase == "optimizer"
         self.phase, self.last = phase, now
 
@@ -134,13 +140,14 @@ class StepClock:
         return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
 
     def _book_exposed_comm(self, backward_end: Any) -> None:
-        """Move the gradient all-reduce's exposed part from compute to comm (see the module docstring)."""
+        """Move the gradient all-reduce's exposed part from compute to comm (see the module docstring); under FSDP2,
+        on the CPU, the time inside its all-gathers and reduce-scatters of the micro-step."""
         host_intervals, last_launch = self.comm.take_times()
         if self.cuda:
             pieces = [(last_launch, backward_end)] if last_launch is not None else []
         else:
             pieces = list(host_intervals)
-            if host_intervals:
+            if host_intervals and not self.comm.sharded:  # DDP's backward waits for its last bucket from there
                 pieces.append((host_intervals[-1][1], backward_end))
         for start, end in pieces:
             self.intervals += [("comm", start, end, 1), ("compute", start, end, -1)]

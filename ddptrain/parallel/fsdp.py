@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,8 @@ class CountingAllGather(DefaultAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.counter.gathers += 1
         self.counter.gathered_bytes += output_tensor.numel() * output_tensor.element_size()
-        return super().__call__(output_tensor, input_tensor, group, async_op)
+        with _timed(self.counter, output_tensor):
+            return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
 class CountingReduceScatter(DefaultReduceScatter):
@@ -58,7 +60,19 @@ class CountingReduceScatter(DefaultReduceScatter):
         self.counter.calls += 1
         self.counter.syncs += int(self.last)
         self.counter.bytes += input_tensor.numel() * input_tensor.element_size()
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        with _timed(self.counter, input_tensor):
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+@contextlib.contextmanager
+def _timed(counter: CommCounter, tensor: torch.Tensor) -> Iterator[None]:
+    """The host time inside one of FSDP2's collectives, into ``counter.hook_intervals`` (``timing.StepClock`` books it
+    as communication). On the CPU FSDP2 calls them synchronously (gloo): the rank waits there and computes nothing.
+    On CUDA they only queue work on a side stream: not timed (their wait stays in the compute column)."""
+    entered = time.perf_counter()
+    yield
+    if counter.timed and not tensor.is_cuda:  # trainer.timing (the clock takes them at each backward's end)
+        counter.hook_intervals.append((entered, time.perf_counter()))
 
 
 def decoder_layers(loss_module: nn.Module) -> list[nn.Module]:
