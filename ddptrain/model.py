@@ -23,7 +23,7 @@ from ddptrain.config import ModelConfig, ModelInit
 from ddptrain.data.encode import IGNORE_INDEX
 from ddptrain.liger import apply_liger_kernel
 from ddptrain.precision import TORCH_DTYPES
-from ddptrain.weights import start_lora
+from ddptrain.weights import start_lora, why_not_by_rows
 
 log = logging.getLogger(__name__)
 
@@ -446,6 +446,16 @@ def build_model(
     if cfg.liger_kernel:
         apply_liger_kernel(cfg, device)
     model = build_base_model(cfg, seed, load_on or device)
+    if (
+        load_on is not None
+        and torch.device(load_on).type == "meta"
+        and (why := why_not_by_rows(model, cfg.name_or_path))
+    ):
+        log.warning(
+            "model: %s cannot be read row by row (%s): every rank loads it whole on its host", cfg.name_or_path, why
+        )
+        load_on = torch.device("cpu")
+        model = build_base_model(cfg, seed, load_on)
     if tokenizer is not None:
         check_tokenizer_fits(tokenizer, model, cfg)
     if cfg.lora:

@@ -71,7 +71,7 @@ class Trainer:
         precision = autocast_dtype(cfg.trainer, env.device)  # trainer.precision=auto resolved on this device
         gather = sharded_compute_dtype(precision, cfg.model.dtype, cfg.model.lora)  # fsdp2: in place, the same module
         wrapped = parallel.wrap_model(self.loss_module, cfg.parallel, env, self.comm, gather)
-        weights.materialize(self.loss_module, cfg.model, cfg.trainer.seed, env.device)  # built on meta: each its rows
+        weights.materialize(self.loss_module, cfg, env.device)  # built on the meta device: each rank reads its rows
         self.ddp_model = torch.compile(wrapped) if cfg.trainer.compile else wrapped
         self.trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optim, self.loss_module)

@@ -6,32 +6,33 @@
 - ``materialize``: a model FSDP2 shards (``parallel.strategy=fsdp2``) with ``model.init=pretrained`` is built on the
   meta device (``parallel.load_device``): no weight exists until it is sharded. Then each rank allocates its shards
   and reads its rows of each pretrained tensor from the safetensors files (``PretrainedRows``: a slice read, not
-  the whole tensor), and its rows of each LoRA start. No rank ever holds the whole model, on the device or the host.
+  the whole tensor), and its rows of each LoRA start. No rank holds the whole model, on the device or the host.
+  Files that transformers must convert as it loads them (``why_not_by_rows``) load whole on each rank's host.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ddptrain import parallel
-from ddptrain.config import ModelConfig
+from ddptrain.config import RunConfig
 from ddptrain.precision import TORCH_DTYPES
 
 LORA_WEIGHTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
-def lora_starts(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
-    """The start of every LoRA weight of ``model`` (a peft model; its parameters may be on the meta device), by
-    parameter name, whole, fp32 on the host: drawn in parameter order from a generator seeded with ``seed``, as peft
-    initialises them (``lora_A`` Kaiming-uniform with a=sqrt(5), ``lora_B`` zeros; for an embedding the other way
-    round, B normal)."""
+def lora_starts(model: nn.Module, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The start of every LoRA weight of ``model`` (a peft model; its parameters may be on the meta device), as
+    ``(parameter name, tensor)`` in parameter order, each whole, fp32 on the host, drawn one at a time from a
+    generator seeded with ``seed``, as peft initialises them (``lora_A`` Kaiming-uniform with a=sqrt(5), ``lora_B``
+    zeros; for an embedding the other way round, B normal)."""
     generator = torch.Generator().manual_seed(seed)
-    starts = {}
     for name, param in model.named_parameters():
         kind = next((k for k in LORA_WEIGHTS if f".{k}." in name), None)
         if kind is None:
@@ -41,63 +42,76 @@ def lora_starts(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
             nn.init.kaiming_uniform_(start, a=math.sqrt(5), generator=generator)
         elif kind == "lora_embedding_B":
             nn.init.normal_(start, generator=generator)
-        starts[name] = start
-    return starts
+        yield name, start
 
 
 def start_lora(model: nn.Module, seed: int) -> None:
-    """Set every LoRA weight of ``model`` to its ``lora_starts`` value (on the meta device: left for
-    ``materialize``)."""
-    starts = lora_starts(model, seed)
+    """Set every LoRA weight of ``model`` to its ``lora_starts`` value. On the meta device nothing is drawn (a plan,
+    or an FSDP2 run, whose ``materialize`` draws them once the model is sharded)."""
+    params = dict(model.named_parameters())
+    if all(params[name].is_meta for name in params if any(f".{k}." in name for k in LORA_WEIGHTS)):
+        return
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name in starts and not param.is_meta:
-                param.copy_(starts[name])
+        for name, start in lora_starts(model, seed):
+            params[name].copy_(start)
 
 
 class PretrainedRows:
     """Rows of the tensors of a pretrained checkpoint (``model.name_or_path``: a folder or a Hub id in the cache),
     read from its safetensors files a slice at a time: ``rows(key, start, stop)`` is ``tensor[start:stop]``.
+    ``find`` gives None for a checkpoint without safetensors files (only ``pytorch_model.bin``)."""
 
-    Raises:
-        ValueError: the checkpoint has no safetensors files (only ``pytorch_model.bin``), naming the fix.
-    """
+    def __init__(self, name_or_path: str, files: dict[str, Path]):
+        self.name, self.files = name_or_path, files
 
-    def __init__(self, name_or_path: str):
+    @classmethod
+    def find(cls, name_or_path: str) -> PretrainedRows | None:
+        from safetensors import safe_open
         from transformers.utils import cached_file
 
-        self.name = name_or_path
         found = {"_raise_exceptions_for_missing_entries": False}
         index = cached_file(name_or_path, "model.safetensors.index.json", **found)
         if index is not None:
             weight_map = json.loads(Path(index).read_text())["weight_map"]
-            files = {name: cached_file(name_or_path, name) for name in set(weight_map.values())}
-            self.files = {key: Path(files[name]) for key, name in weight_map.items()}
-            return
+            paths = {name: cached_file(name_or_path, name) for name in set(weight_map.values())}
+            return cls(name_or_path, {key: Path(paths[name]) for key, name in weight_map.items()})
         single = cached_file(name_or_path, "model.safetensors", **found)
         if single is None:
-            raise ValueError(
-                f"parallel.strategy=fsdp2 reads each rank's share of model.name_or_path={name_or_path} from its "
-                "safetensors files, and it has none (a pytorch_model.bin checkpoint?): save it once with "
-                "save_pretrained(..., safe_serialization=True), or train it with parallel.strategy=ddp."
-            )
+            return None
+        with safe_open(single, framework="pt") as f:
+            return cls(name_or_path, dict.fromkeys(f.keys(), Path(single)))
+
+    def shapes(self) -> dict[str, list[int]]:
+        """Every tensor's shape, from the files' headers (no tensor is read)."""
         from safetensors import safe_open
 
-        with safe_open(single, framework="pt") as f:
-            self.files = dict.fromkeys(f.keys(), Path(single))
+        shapes = {}
+        for path in set(self.files.values()):
+            with safe_open(path, framework="pt") as f:
+                shapes |= {key: f.get_slice(key).get_shape() for key in f.keys()}  # noqa: SIM118 (not a dict)
+        return shapes
 
     def __call__(self, key: str, start: int, stop: int) -> torch.Tensor:
         from safetensors import safe_open
 
-        if key not in self.files:
-            raise ValueError(
-                f"model.name_or_path={self.name} holds no tensor {key!r}, which the model built from its config "
-                "has: its weights do not match its config.json. Point model.name_or_path at a checkpoint saved by "
-                "transformers, or train it with parallel.strategy=ddp (which loads it through from_pretrained)."
-            )
         with safe_open(self.files[key], framework="pt") as f:
-            part = f.get_slice(key)
-            return part[start:stop] if part.get_shape() else part[:]
+            return f.get_slice(key)[start:stop]
+
+
+def why_not_by_rows(base: nn.Module, name_or_path: str) -> str | None:
+    """Why the base model ``base`` (built from ``name_or_path``'s config, on the meta device) cannot be filled from
+    ``name_or_path``'s files row by row, or None when it can: every parameter is there under its own name, with its
+    shape. transformers converts some checkpoints as it loads them (older key names, fused experts): those, and a
+    checkpoint without safetensors files, load through ``from_pretrained`` instead."""
+    rows = PretrainedRows.find(name_or_path)
+    if rows is None:
+        return "it has no safetensors files"
+    shapes = rows.shapes()
+    for name, param in base.named_parameters():
+        if shapes.get(name) != list(param.shape):
+            held = "no such tensor" if name not in shapes else f"shape {shapes[name]}"
+            return f"the model's {name} has shape {list(param.shape)}, its files {held}"
+    return None
 
 
 def checkpoint_key(name: str) -> str:
@@ -106,21 +120,26 @@ def checkpoint_key(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def materialize(loss_module: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> None:
+def materialize(loss_module: nn.Module, cfg: RunConfig, device: torch.device) -> None:
     """Give a model built on the meta device and sharded (``parallel.shard_model``) its weights: each rank
-    allocates its shards on ``device`` and fills them with its rows of the pretrained weights and of the LoRA starts.
-    Every rank reads the same files; a model that was not built on the meta device is left as it is."""
+    allocates its shards on ``device`` (on the host with ``parallel.cpu_offload``, where FSDP2 keeps them) and fills
+    them with its rows of the pretrained weights of ``model.name_or_path`` (``why_not_by_rows`` found every one) and
+    of the LoRA starts (``trainer.seed``, drawn one tensor at a time). Every rank reads the same files; a model not
+    built on the meta device is left as it is."""
     if not any(p.is_meta for p in loss_module.parameters()):
         return
     model = loss_module.model  # the (peft) causal LM: the names its checkpoint and its LoRA starts use
-    starts = lora_starts(model, seed) if cfg.lora else {}
-    pretrained, dtype = PretrainedRows(cfg.name_or_path), TORCH_DTYPES[cfg.dtype]
+    starts = lora_starts(model, cfg.trainer.seed)  # in parameter order, as ``parallel.materialize`` asks for them
+    pretrained, dtype = PretrainedRows.find(cfg.model.name_or_path), TORCH_DTYPES[cfg.model.dtype]
+    assert pretrained is not None  # build_model built on the meta device only where the files hold every row
 
     def rows(name: str, start: int, stop: int) -> torch.Tensor:
         name = name.removeprefix("model.")  # the loss module's own name for the causal LM
-        if name in starts:
-            return starts[name][start:stop]
+        if any(f".{kind}." in name for kind in LORA_WEIGHTS):
+            drawn, start_values = next(starts)
+            assert drawn == name, (drawn, name)
+            return start_values[start:stop]
         # In model.dtype, as from_pretrained loads it: fp32 masters of a bf16 model start from its bf16 values.
         return pretrained(checkpoint_key(name), start, stop).to(dtype)
 
-    parallel.materialize(loss_module, device, rows)
+    parallel.materialize(loss_module, torch.device("cpu") if cfg.parallel.cpu_offload else device, rows)

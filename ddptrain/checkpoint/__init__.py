@@ -278,7 +278,7 @@ class Checkpointer:
         """
         if folder is None:
             return None
-        check_same_data_order(folder, self.fingerprint)  # find_checkpoint verified every file's hash
+        check_same_data_order(folder, self.fingerprint, self.env.world_size)  # find_checkpoint verified the files
         sharded = parallel.is_sharded(self.weights)
         check_same_strategy(folder, sharded)
         if sharded:
@@ -353,8 +353,9 @@ def check_same_strategy(folder: Path, sharded: bool) -> None:
     )
 
 
-def check_same_data_order(folder: Path, fingerprint: Fingerprint) -> None:
-    """Refuse a checkpoint saved with settings that would feed other samples to the remaining steps.
+def check_same_data_order(folder: Path, fingerprint: Fingerprint, world_size: int) -> None:
+    """Refuse a checkpoint saved with settings that would feed other samples to the remaining steps (``world_size``:
+    this run's processes, for the fix the error names).
 
     Raises:
         CheckpointError: naming every setting that changed (as the user sets it), old and new.
@@ -366,7 +367,7 @@ def check_same_data_order(folder: Path, fingerprint: Fingerprint) -> None:
         raise CheckpointError(
             f"{folder} was saved with a different data order ({details}); resuming would silently train on "
             "other samples. Resume with the same data.*, trainer.seed and micro-batches per step "
-            f"({_same_step(saved, int(fingerprint.values['world_size']))}), or set trainer.resume=none to start over."
+            f"({_same_step(saved, world_size)}), or set trainer.resume=none to start over."
         )
 
 

@@ -42,6 +42,10 @@ class Layout:
         return self.world_size * self.grad_accum_steps
 
 
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
 class DistributedBatchSampler:
     """One rank's micro-batches, for ``DataLoader(dataset, batch_sampler=...)``.
 
@@ -87,8 +91,15 @@ class DistributedBatchSampler:
         self._position = 0
         self._plan = self._plan_of(0)
 
-    def _plan_of(self, epoch: int) -> list[list[MicroBatch]]:
-        """The epoch's plan over the samples it draws, in dataset indices, dealt to the run's ranks."""
+    def _plan_of(self, epoch: int, strict: bool = True) -> list[list[MicroBatch]]:
+        """The epoch's plan over the samples it draws, in dataset indices, dealt to the run's ranks.
+
+        Raises:
+            ValueError: (``strict``) the run trains a checkpoint's plan on another number of processes and the
+                epoch's last, short optimizer step cannot be shared out among them: it would lose micro-batches,
+                and an epochs-based run its step count and LR schedule. Not strict (an epoch entered mid-run, whose
+                step count the run no longer depends on): they are left out, with a warning.
+        """
         if self._epoch_rows is None:
             plan = plan_epoch(self._lengths, self.spec, epoch)
         else:
@@ -99,11 +110,17 @@ class DistributedBatchSampler:
             return plan
         plan, left_out = relayout(plan, self.layout.world_size)
         if left_out:
-            log.warning(
-                "epoch %d: the last %d micro-batches of the plan this run resumed (made for %d processes) fill no "
-                "micro-step of %d processes and are left out; the run it resumed trained them in a short last step",
-                epoch, left_out, self.spec.world_size, self.layout.world_size,
-            )  # fmt: skip
+            saved, now = _processes(self.spec.world_size), _processes(self.layout.world_size)
+            why = (
+                f"epoch {epoch}'s last, short optimizer step leaves {left_out} micro-batch(es) that {now} cannot "
+                f"share (its plan was made for {saved} x optim.grad_accum_steps={self.spec.grad_accum_steps})"
+            )
+            if strict:
+                raise ValueError(
+                    f"resuming on {now}: {why}. Resume on {saved}, or on a number of processes that divides the "
+                    "micro-batches of every step."
+                )
+            log.warning("%s: they are left out", why)
         return plan
 
     @property
@@ -131,7 +148,7 @@ class DistributedBatchSampler:
     def set_epoch(self, epoch: int) -> None:
         """Load ``epoch``'s plan (recomputed only when the epoch changes) and rewind to its start."""
         if epoch != self._epoch:
-            self._plan = self._plan_of(epoch)
+            self._plan = self._plan_of(epoch, strict=False)
             self._epoch = epoch
         self._position = 0
 

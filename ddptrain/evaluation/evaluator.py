@@ -54,6 +54,7 @@ class Evaluator:
         self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients: freed before eval's peak
         record: dict[str, Any] = {"step": step}
         uncounted = self.comm.paused() if self.comm is not None else contextlib.nullcontext()
+        self.clock.enter("eval", step)  # before the gather below: an evaluation's collectives are not step time
         with uncounted, parallel.gathered(self.loss_module):  # FSDP2: the root's weights whole (eval sums, generate)
             record |= self._evaluate(step)
         if len(record) > 1:  # something was evaluated

@@ -144,10 +144,7 @@ def materialize(module: nn.Module, device: torch.device, rows: Callable[[str, in
         for name, buffer in module.named_buffers():
             buffer.copy_(buffers[name])
         for name, param in module.named_parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            if not local.dim():
-                local.copy_(rows(name, 0, 1).reshape(()))
-                continue
+            local = param.to_local() if isinstance(param, DTensor) else param  # fully_shard: no 0-dim parameters
             chunk = -(-param.shape[0] // param.device_mesh.size()) if isinstance(param, DTensor) else 0
             start = chunk * param.device_mesh.get_local_rank() if isinstance(param, DTensor) else 0
             local.copy_(rows(name, start, start + local.shape[0]))

@@ -19,9 +19,9 @@ from ddptrain.launch import launch
 from tests.conftest import compose_config, read_metrics, timed_alone
 from tests.distributed.workers_diagnose import (
     BALLAST_BYTES,
+    COLLECTIVE_DELAY_S,
     COMM_DELAY_S,
     DELAY_S,
-    GATHER_DELAY_S,
     SCENARIOS_FILE,
     train_scenarios,
 )
@@ -60,9 +60,9 @@ SCENARIOS = {
     # communication runs': at 256 tokens a micro-batch computed in 0.03 s, 8% slower at 4x the accumulation on an
     # idle machine, and CI's noise on that put the prediction 33% off once. Each run twice, interleaved: the faster of
     # each pair is compared (noise only slows a run; the same run measured 9,700 and 11,900 tokens/s here, idle).
-    # FSDP2, with and without a delay in every all-gather: the time inside its collectives is communication.
+    # FSDP2, with and without a delay in each of its collectives: the time inside them is communication.
     "fsdp2": ([COMM_STEPS, *PACKED, "parallel.strategy=fsdp2"], "none"),
-    "fsdp2_slow_gathers": ([COMM_STEPS, *PACKED, "parallel.strategy=fsdp2"], "slow_gathers"),
+    "fsdp2_slow_collectives": ([COMM_STEPS, *PACKED, "parallel.strategy=fsdp2"], "slow_collectives"),
     "compute": ([COMPUTE_STEPS, *PACKED_LONG], "none"),
     "compute_accum4": ([COMPUTE_STEPS, *PACKED_LONG, "optim.grad_accum_steps=4"], "none"),
     "compute_again": ([COMPUTE_STEPS, *PACKED_LONG], "none"),
@@ -154,16 +154,24 @@ def test_slow_communication_is_diagnosed_and_shows_in_the_comm_column(runs) -> N
 
 
 def test_fsdp2_s_collectives_are_booked_as_communication(runs) -> None:
-    """Under parallel.strategy=fsdp2 a delay in every all-gather lands in the comm column, as many times a step as the
-    step's all-gathers (counted where FSDP2 calls them), not in compute; the report calls the run communication-bound
-    and names FSDP2's lever, not DDP's."""
-    slow, plain = runs / "fsdp2_slow_gathers", runs / "fsdp2"
-    gathers = steady(slow, "allgather_calls_per_step")
-    assert gathers == steady(plain, "allgather_calls_per_step") == 5, gathers
+    """Under parallel.strategy=fsdp2 a delay in every all-gather and reduce-scatter lands in the comm column, as many
+    times a step as the step's collectives (counted where FSDP2 calls them), not in compute; the report calls the run
+    communication-bound and names FSDP2's lever, not DDP's."""
+    slow, plain = runs / "fsdp2_slow_collectives", runs / "fsdp2"
+    calls = {name: steady(slow, f"{name}_calls_per_step") for name in ("allgather", "reducescatter")}
+    assert (
+        calls
+        == {name: steady(plain, f"{name}_calls_per_step") for name in calls}
+        == {
+            "allgather": 5,
+            "reducescatter": 2,
+        }
+    ), calls
+    injected = sum(calls.values()) * COLLECTIVE_DELAY_S
     added = steady(slow, "time_comm_s") - steady(plain, "time_comm_s")
-    assert_close(added, gathers * GATHER_DELAY_S, INJECTED_REL, "time_comm_s added by a delay in every all-gather")
+    assert_close(added, injected, INJECTED_REL, "time_comm_s added by a delay in every collective")
     compute_added = steady(slow, "time_compute_s") - steady(plain, "time_compute_s")
-    assert compute_added < INJECTED_REL * gathers * GATHER_DELAY_S, compute_added
+    assert compute_added < INJECTED_REL * injected, compute_added
     assert report(slow)["verdict"] == "communication"
     levers = set(lever_keys(slow))
     assert "parallel.reshard_after_forward" in levers and "parallel.comm_hook" not in levers, levers

@@ -3,11 +3,11 @@ fine-tune, with accumulation), its collectives counted where they run, half the 
 checkpoints that resume bit for bit, and weights that load in plain peft.
 
 Runs of the bundled model, 10 steps each, fp32, shared by the tests below: with optim.grad_accum_steps=2, LoRA and a
-full fine-tune under each strategy from the same pretrained folder (the bundled model's random weights, saved by
-transformers: FSDP2 builds the model on the meta device and each rank reads its rows of them; DDP loads them
-through from_pretrained), and the fsdp2 LoRA run resumed from its step-5 checkpoint into a new folder; and full
-fine-tunes of random weights (each rank draws the whole model) checkpointed at step 5 on one number of processes
-and resumed on another.
+full fine-tune under each strategy from the same pretrained folder (the bundled model with an odd vocabulary and MLP
+width, which FSDP2 splits unevenly; its random weights saved by transformers: FSDP2 builds the model on the meta
+device and each rank reads its rows of them, DDP loads them through from_pretrained), and the fsdp2 LoRA run resumed
+from its step-5 checkpoint into a new folder; and full fine-tunes of random weights (each rank draws the whole
+model) checkpointed at step 5 on one number of processes and resumed on another.
 """
 
 from __future__ import annotations
@@ -71,6 +71,20 @@ def run(out: Path, name: str, overrides: list[str]) -> Path:
     return run_dir
 
 
+def architecture(folder: Path, **sizes: int) -> Path:
+    """The bundled model's config.json with ``sizes`` changed, written into ``folder``."""
+    config = json.loads((REPO / "ddptrain" / "assets" / "tiny_qwen2" / "config.json").read_text())
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config | sizes))
+    return folder
+
+
+def uneven_config(folder: Path) -> Path:
+    """The bundled model with an odd vocabulary and MLP width: the embedding, the MLP's gate and up projections and
+    their LoRA B split unevenly over 2 ranks (rank 0 holds one row more), as most real vocabularies do."""
+    return architecture(folder, vocab_size=4353, intermediate_size=383)
+
+
 def save_pretrained(folder: Path, overrides: list[str], seed: int = 0) -> list[str]:
     """The model the overrides compose, with random weights from ``seed``, saved by transformers with its tokenizer
     into ``folder``; returns the overrides that train it as a pretrained model."""
@@ -85,7 +99,7 @@ def save_pretrained(folder: Path, overrides: list[str], seed: int = 0) -> list[s
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("fsdp2")
-    pretrained = save_pretrained(out / "pretrained", [])
+    pretrained = save_pretrained(out / "pretrained", [f"model.name_or_path={uneven_config(out / 'uneven')}"])
     done = {name: run(out, name, [*pretrained, *overrides]) for name, overrides in RUNS.items()}
     resume = f"trainer.resume={done['lora-fsdp2']}/checkpoints/step-00000005"
     done["lora-fsdp2-resumed"] = run(out, "lora-fsdp2-resumed", [*pretrained, *RUNS["lora-fsdp2"], resume])
@@ -127,13 +141,14 @@ def test_fsdp2_trains_what_ddp_trains_on_the_same_batches(runs, mode) -> None:
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=tolerance), (ours["step"], tolerance)
 
 
-def layer_and_root_bytes(mode: str) -> tuple[int, int, int, int]:
+def layer_and_root_bytes(mode: str, tmp_path: Path) -> tuple[int, int, int, int]:
     """From the model's own parameters, built here as a run builds it: (one decoder layer's bytes, the root's
     bytes, i.e. the rest, the trainable bytes per layer, the root's trainable bytes), each tensor's first dimension
     padded to a multiple of the 2 ranks as FSDP2 pads it."""
     from ddptrain.model import build_model
 
-    cfg = compose_config(["model.lora=false"] if mode == "full" else [])
+    shapes = [f"model.name_or_path={uneven_config(tmp_path / 'uneven')}"]
+    cfg = compose_config([*shapes, *(["model.lora=false"] if mode == "full" else [])])
     model = build_model(cfg.model, seed=0, device=torch.device("cpu"))
     padded = lambda p: (-(-p.shape[0] // 2) * 2) * (p.numel() // max(p.shape[0], 1)) * p.element_size()  # noqa: E731
     layers = model.decoder.layers
@@ -145,12 +160,12 @@ def layer_and_root_bytes(mode: str) -> tuple[int, int, int, int]:
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
-def test_the_collectives_are_counted_where_they_run(runs, mode) -> None:
+def test_the_collectives_are_counted_where_they_run(runs, mode, tmp_path) -> None:
     """Per optimizer step, as FSDP2 called them: one reduce-scatter per unit that trains, at the last micro-step
     only (2 micro-steps, not twice as many), the gradients' bytes; all-gathers of every unit's weights, each layer's
     twice per micro-step (forward, and backward: resharded after forward), the root's once (kept to the backward).
     The expected figures are worked out from the model's parameter shapes here, not from the product's counts."""
-    layer, root, layer_trained, root_trained = layer_and_root_bytes(mode)
+    layer, root, layer_trained, root_trained = layer_and_root_bytes(mode, tmp_path)
     n_layers = 2
     records = [r for r in read_metrics(runs[f"{mode}-fsdp2"]) if "loss" in r]
     assert records and not any("allreduce_bytes_per_step" in r for r in records)
@@ -253,11 +268,8 @@ def test_no_rank_holds_the_whole_pretrained_model_while_an_fsdp2_run_starts(tmp_
     well under the whole. The same model drawn at random (model.init=random: every rank builds it whole on its host,
     then shards it) costs more than the whole model on each rank: the measurement sees a whole copy where there is
     one. Both hold half the model's parameter bytes once it is sharded."""
-    config = json.loads((REPO / "ddptrain" / "assets" / "tiny_qwen2" / "config.json").read_text())
-    config |= {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12}
-    (tmp_path / "wide").mkdir()
-    (tmp_path / "wide" / "config.json").write_text(json.dumps(config))
-    wide = [f"model.name_or_path={tmp_path / 'wide'}"]
+    sizes = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12}
+    wide = [f"model.name_or_path={architecture(tmp_path / 'wide', **sizes)}"]
     starts = {"bundled": [], "meta": save_pretrained(tmp_path / "pretrained", wide), "host": wide}
     common = ["parallel=fsdp2_2", "model.lora=false", "data.max_rows=64", *NO_SAVES, "plan.at_start=false"]
     report = {}

@@ -27,9 +27,9 @@ DELAY_S = 0.15  # injected per micro-batch (loader, slow rank)
 # more from 4x the accumulation than the compute-bound one: at 0.15 s a loaded CI run measured gains of 2.62 and
 # 1.58, a ratio under the 1.67 the prediction test needs to tell them apart (a quiet machine: 2.64 and 1.31).
 COMM_DELAY_S = 0.4
-# Injected into each of FSDP2's all-gathers: 5 per step of the 2-layer model (each layer's forward and backward, the
-# root's forward), so 0.3 s per step, far above the noise.
-GATHER_DELAY_S = 0.06
+# Injected into each of FSDP2's collectives: 7 per step of the 2-layer LoRA model (5 all-gathers: each layer's forward
+# and backward, the root's forward; 2 reduce-scatters: the layers' LoRA gradients), so 0.35 s per step.
+COLLECTIVE_DELAY_S = 0.05
 SCENARIOS_FILE = "scenarios.pkl"
 # What rank 1 holds from step 3 on in the plain run (its peak memory must show it): well above the ~0.15 GB by which
 # the ranks' own peaks differed in a CI-like run, where a 300 MiB ballast showed as 0.23 GB, under the 80% asserted.
@@ -95,21 +95,26 @@ def _slow_all_reduce(trainer: Trainer, rank: int) -> Callable[[], None]:
     return restore
 
 
-def _slow_gathers(trainer: Trainer, rank: int) -> Callable[[], None]:
-    """Every all-gather FSDP2 runs (forward and backward) takes GATHER_DELAY_S longer: torch's own collective, under
-    the product's counting and timing, sleeps before it gathers."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+def _slow_collectives(trainer: Trainer, rank: int) -> Callable[[], None]:
+    """Every all-gather and every reduce-scatter FSDP2 runs takes COLLECTIVE_DELAY_S longer: torch's own collectives,
+    under the product's counting and timing, sleep before they run."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-    gather = DefaultAllGather.__call__
+    originals = {cls: cls.__call__ for cls in (DefaultAllGather, DefaultReduceScatter)}
 
-    def slow_gather(self: Any, *args: Any, **kwargs: Any) -> Any:
-        time.sleep(GATHER_DELAY_S)
-        return gather(self, *args, **kwargs)
+    def slowed(call: Callable[..., Any]) -> Callable[..., Any]:
+        def slow_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(COLLECTIVE_DELAY_S)
+            return call(self, *args, **kwargs)
 
-    DefaultAllGather.__call__ = slow_gather
+        return slow_call
+
+    for cls, call in originals.items():
+        cls.__call__ = slowed(call)
 
     def restore() -> None:
-        DefaultAllGather.__call__ = gather
+        for cls, call in originals.items():
+            cls.__call__ = call
 
     return restore
 
@@ -133,7 +138,7 @@ INJECTIONS: dict[str, Callable[[Trainer, int], Callable[[], None]]] = {
     "slow_loader": _slow_loader,
     "slow_rank_one": _slow_rank_one,
     "slow_all_reduce": _slow_all_reduce,
-    "slow_gathers": _slow_gathers,
+    "slow_collectives": _slow_collectives,
     "ballast_on_rank_one": _ballast_on_rank_one,
 }
 

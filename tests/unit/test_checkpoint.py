@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from ddptrain import checkpoint, export, parallel, rng
-from ddptrain.checkpoint.format import FORMAT_VERSION
+from ddptrain.checkpoint.format import FORMAT_VERSION, upgrade_state
 from ddptrain.config import SaveCheckMode, to_yaml
 from ddptrain.evaluation.save_check import SaveCheckError, build_save_checks
 from ddptrain.model import build_model, build_tokenizer
@@ -234,9 +234,9 @@ def test_a_resume_on_another_number_of_processes_is_told_the_accumulation_that_k
     data_cfg = compose_config([]).data
     order = lambda w, a: DataOrder.build(data_cfg, world_size=w, seed=0, grad_accum_steps=a, dataset_rows=9)  # noqa: E731
     checkpoint._write_manifest(tmp_path, {"step": 4, "world_size": 2, "data_order": order(2, 2).values})
-    checkpoint.check_same_data_order(tmp_path, order(2, 2))
+    checkpoint.check_same_data_order(tmp_path, order(2, 2), world_size=1)  # planned as saved: any count resumes it
     with pytest.raises(checkpoint.CheckpointError, match=rf"number of processes: 2 -> {world}.*{fix}"):
-        checkpoint.check_same_data_order(tmp_path, order(world, accum))
+        checkpoint.check_same_data_order(tmp_path, order(world, accum), world)
 
 
 def rewrite_as_format_1(folder: Path, windows: list[dict] | None) -> None:
@@ -384,3 +384,15 @@ def test_the_save_check_of_full_weights_loads_them_in_transformers_bit_for_bit(t
     named = corrupt(folder)
     with pytest.raises(SaveCheckError, match=named):
         check.written(folder, tmp_path / "shown", final=True)
+
+
+@pytest.mark.parametrize("version", [1, 3, 4])
+def test_an_older_checkpoint_s_data_position_counts_in_the_processes_that_wrote_it(version) -> None:
+    """Before format 5 the sampler's state did not say the number of processes its position counts micro-steps of:
+    they are the manifest's (the ranks that wrote it), so a resume on another number converts the position; a
+    format 5 state keeps what it says."""
+    state = {"step": 6, "sampler": {"epoch": 1, "position": 6}, "windows": [{}, {}], "rng": [{}, {}], "best": {}}
+    upgraded = upgrade_state(state, version, fresh={}, world_size=2, fresh_shared={"best": {}})
+    assert upgraded["sampler"] == {"epoch": 1, "position": 6, "world_size": 2}
+    current = {**state, "sampler": {"epoch": 1, "position": 6, "world_size": 4}}
+    assert upgrade_state(current, FORMAT_VERSION, fresh={}, world_size=2)["sampler"]["world_size"] == 4

@@ -125,29 +125,34 @@ def test_resume_yields_the_remaining_sequence(case, epoch, data):
 @given(cases(), st.integers(0, 2), st.data())
 def test_a_run_on_another_number_of_processes_trains_each_step_on_the_same_micro_batches(case, epoch, data):
     """A checkpoint's plan, made for W ranks x A micro-steps, trained on W' ranks x A' micro-steps with W*A = W'*A'
-    (a resume on another number of processes): every optimizer step trains on the plan's micro-batches of that step,
-    in the order the plan holds them (micro-step by micro-step, rank by rank: where W or A is 1 the accumulation adds
-    them as the plan's run did); and a data position saved at a step's end by the plan's own run resumes at the next
-    step on the new layout, and back."""
+    (a resume on another number of processes): every optimizer step, the epoch's last and short one included, trains
+    on the plan's micro-batches of that step, in the order the plan holds them (micro-step by micro-step, rank by
+    rank: where W or A is 1 the accumulation adds them as the plan's run did), so the epoch has as many steps; a
+    short last step that W' ranks cannot share is refused when the sampler is built, not trained short. A data
+    position saved at a step's end by the plan's own run resumes at the next step on the new layout, and back."""
     lengths, spec = case
-    per_step = spec.world_size * spec.grad_accum_steps
+    per_step, accum = spec.world_size * spec.grad_accum_steps, spec.grad_accum_steps
     world = data.draw(st.sampled_from([n for n in range(1, per_step + 1) if per_step % n == 0]))
     layout = Layout(world, per_step // world)
+    plan = plan_epoch(lengths, spec, epoch)
+    steps = [[batch for step in plan[k : k + accum] for batch in step] for k in range(0, len(plan), accum)]
+    if len(steps[-1]) % world:
+        with pytest.raises(ValueError, match="cannot share"):
+            DistributedBatchSampler(lengths, spec, 0, layout=layout).set_epoch(epoch)
+            DistributedBatchSampler(lengths, spec, 0, layout=layout).epoch_length(epoch)
+        return
     samplers = [DistributedBatchSampler(lengths, spec, rank, layout=layout) for rank in range(world)]
     for sampler in samplers:
         sampler.set_epoch(epoch)
     columns = [list(sampler) for sampler in samplers]
-    plan, accum = plan_epoch(lengths, spec, epoch), spec.grad_accum_steps
-    full_steps = len(plan) // accum
-    for k in range(full_steps):
-        planned = [batch for step in plan[k * accum : (k + 1) * accum] for batch in step]
-        trained = [
-            columns[r][i]
-            for i in range(k * layout.grad_accum_steps, (k + 1) * layout.grad_accum_steps)
-            for r in range(world)
-        ]
+    assert len(columns[0]) == sum(len(step) for step in steps) // world
+    at = 0
+    for k, planned in enumerate(steps):
+        micro_steps = len(planned) // world
+        trained = [columns[r][i] for i in range(at, at + micro_steps) for r in range(world)]
         assert trained == planned, k
-    k, rank = data.draw(st.integers(0, full_steps)), data.draw(st.integers(0, world - 1))
+        at += micro_steps
+    k, rank = data.draw(st.integers(0, len(plan) // accum)), data.draw(st.integers(0, world - 1))
     own = DistributedBatchSampler(lengths, spec, 0)
     own.set_epoch(epoch)
     own.skip(k * accum)
