@@ -589,3 +589,34 @@ def test_liger_shows_a_real_import_error_not_not_installed(monkeypatch) -> None:
     _fake_liger(monkeypatch, broken_import="liger_kernel")
     with pytest.raises(RuntimeError, match="liger-kernel is not installed"):
         apply_liger_kernel(compose_config([]).model, torch.device("cuda"))
+
+
+def test_fsdp2_reads_rows_only_from_files_that_hold_every_weight_under_its_own_name(tmp_path, caplog) -> None:
+    """An FSDP2 run builds a pretrained model on the meta device only when its safetensors files hold every weight
+    under the model's own name and shape (each rank then reads its rows of them). Files transformers would have to
+    convert as it loads them (here a key under another name, as older checkpoints name it) or a checkpoint without
+    safetensors files load whole on the host instead, with a warning that says why: the run still starts."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from ddptrain.model import build_base_model, build_model
+
+    base = build_base_model(compose_config([]).model, seed=0)
+    folders = {name: tmp_path / name for name in ("own_names", "renamed", "bin_only")}
+    base.save_pretrained(folders["own_names"])
+    base.save_pretrained(folders["renamed"])
+    tensors = load_file(folders["renamed"] / "model.safetensors")
+    tensors["model.final_norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, folders["renamed"] / "model.safetensors", metadata={"format": "pt"})
+    base.config.save_pretrained(folders["bin_only"])  # and the weights as torch.save wrote them before safetensors
+    torch.save(base.state_dict(), folders["bin_only"] / "pytorch_model.bin")
+    assert AutoModelForCausalLM.from_pretrained(folders["bin_only"]) is not None  # a checkpoint transformers loads
+    built = {}
+    for name, folder in folders.items():
+        cfg = compose_config(["model.init=pretrained", f"model.name_or_path={folder}", f"model.tokenizer={folder}"])
+        caplog.clear()
+        loss_module = build_model(cfg.model, 0, torch.device("cpu"), load_on=torch.device("meta"))
+        built[name] = ({p.is_meta for p in loss_module.parameters()}, caplog.text)
+    assert built["own_names"] == ({True}, "")
+    assert built["renamed"][0] == {False} and "model.norm.weight" in built["renamed"][1], built["renamed"]
+    assert built["bin_only"][0] == {False} and "no safetensors files" in built["bin_only"][1], built["bin_only"]
