@@ -137,12 +137,14 @@ def materialize(module: nn.Module, device: torch.device, rows: Callable[[str, in
     """A module built on the meta device and sharded, made real: this rank allocates its shards on ``device`` and
     copies into each its rows of the whole parameter, ``rows(name, start, stop)`` (``fully_shard`` cuts the first
     dimension in chunks of ceil(rows / ranks), rank r's starting at r times that), so no rank holds a whole weight.
-    The buffers (rotary frequencies, built on the host) are kept. Every rank calls it; no collective runs."""
-    buffers = {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+    The buffers (rotary frequencies, computed when the model was built) are kept as they are, on their device. Every
+    rank calls it; no collective runs."""
+    buffers = dict(module.named_buffers(remove_duplicate=False))
     module.to_empty(device=device)
+    for name, buffer in buffers.items():  # as they were, where they were (offload: on the device, not with the shards)
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = buffer
     with torch.no_grad():
-        for name, buffer in module.named_buffers():
-            buffer.copy_(buffers[name])
         for name, param in module.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param  # fully_shard: no 0-dim parameters
             chunk = -(-param.shape[0] // param.device_mesh.size()) if isinstance(param, DTensor) else 0
