@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch goes through pip, which honours this machine's pip configuration (a local wheel, an index). The rest through
-# uv, about 10 s where pip took about 80 s on 2 cores (bench/README.md); uv leaves the installed torch alone.
+# uv, 64 s where pip took 115 s for a fresh venv on 2 cores (docs/suite_timings.md); uv leaves the installed torch alone.
 # uv reads no pip.conf (a private index goes in UV_INDEX_URL): where uv cannot be had or cannot install, pip does.
 # Bytecode is compiled at install as pip does: with PYTHONDONTWRITEBYTECODE set, every process would compile what it
 # imports again. That is most of the install's time (measured 60-90 s with it, 26 s without): COMPILE_BYTECODE=no
@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 train: setup  ## the default job: tiny Qwen2 + bundled data, 2 CPU processes
-	$(BIN)/python -m ddptrain $(ARGS)
+	$(BIN)/ddptrain train $(ARGS)
 
 # Two pytest workers (pytest-xdist): the 2-rank tests run in turn on one, the rest beside them on the other
 # (tests/conftest.py, BESIDE_THE_RANKS). TEST_WORKERS=0 runs everything in one process, one test after another.
@@ -80,6 +80,7 @@ bench-chat-tokenize: setup  ## conversations: the tokenizer's chat template agai
 bench-memory-plan: setup  ## the memory plan: Qwen2.5-7B / 0.5B predictions, and predicted vs measured on this CPU
 	$(BIN)/python -m ddptrain.bench.memory_plan
 	$(BIN)/python -m ddptrain.bench.memory_plan --cpu-check
+	$(BIN)/python -m ddptrain.bench.memory_plan --presets
 
 bench-evaluation: setup  ## eval on 1 rank vs 2 (the same loss), what the save check costs a save and a run
 	$(BIN)/python -m ddptrain.bench.evaluation --data ../shared/data/alpaca/alpaca_data_52k.jsonl

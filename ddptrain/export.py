@@ -1,7 +1,7 @@
 """Turn a run or a checkpoint into folders that plain transformers / peft load.
 
-    python -m ddptrain.export outputs/<run> exported/adapter            # peft adapter + tokenizer
-    python -m ddptrain.export outputs/<run>/checkpoints/step-00000500 exported/merged --merge
+    ddptrain export outputs/<run> exported/adapter            # peft adapter + tokenizer
+    ddptrain export outputs/<run>/checkpoints/step-00000500 exported/merged --merge
 
 Without ``--merge``: an adapter folder for ``PeftModel.from_pretrained(base, folder)``.
 With ``--merge``: the LoRA weights folded into the base model, saved as a full model that
@@ -17,7 +17,6 @@ it back when the folder loads.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -26,10 +25,11 @@ from omegaconf import OmegaConf
 
 from ddptrain import checkpoint
 from ddptrain.checkpoint.files import what_it_holds
+from ddptrain.cli import verb_parser
 from ddptrain.config import RunConfig, register_configs
 from ddptrain.model import build_tokenizer, point_adapter_at_base
+from ddptrain.model.precision import TORCH_DTYPES
 from ddptrain.observe.console import quiet_libraries
-from ddptrain.precision import TORCH_DTYPES
 
 
 def locate(source: Path) -> tuple[Path, Path]:
@@ -97,7 +97,11 @@ def export(source: Path, out: Path, merge: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ddptrain.export", description=__doc__.split("\n\n")[0])
+    parser = verb_parser(
+        "export",
+        "Without --merge: a folder for PeftModel.from_pretrained(base, folder). A full fine-tune "
+        "exports the whole model either way.",
+    )
     parser.add_argument("source", type=Path, help="a run directory or a checkpoints/step-N folder")
     parser.add_argument("out", type=Path, help="folder to write (replaced if it exists)")
     parser.add_argument("--merge", action="store_true", help="fold LoRA into the base: a full transformers model")

@@ -79,7 +79,7 @@ def hydra_argv(argv: list[str], start: Start | None = None) -> list[str]:
     if start.elastic and any(a in ("-m", "--multirun") for a in argv[1:]):
         sys.exit(
             "ddptrain: sweeps (-m) start a fresh process group per job, which torchrun cannot do: "
-            "run `python -m ddptrain -m ...` (it launches each job's workers itself)."
+            "run `ddptrain train -m ...` (it launches each job's workers itself)."
         )
     if start.makes_run_folder:
         return argv
@@ -425,10 +425,10 @@ def _train_on_this_rank(cfg: RunConfig, run_dir: str, store_port: int | None, st
     import torch
 
     from ddptrain import parallel
+    from ddptrain.model.precision import settle_precision
     from ddptrain.observe.console import build_console, done_line, setup_logging
     from ddptrain.observe.nonfinite import DIVERGED
     from ddptrain.observe.run_files import build_run_files
-    from ddptrain.precision import settle_precision
     from ddptrain.trainer import Trainer
 
     start = start or Start.from_environ()

@@ -1,4 +1,4 @@
-"""``python -m ddptrain.preview [--n N | --rows 3,17,40] [--html FILE] [overrides]``: see what a run trains on.
+"""``ddptrain preview [--n N | --rows 3,17,40] [--html FILE] [overrides]``: see what a run trains on.
 
 One process, no workers. The run's config is composed from the same overrides as ``python -m ddptrain`` (and checked
 the same way), its data tokenized through the same cache a run uses. For each chosen sample of the training set
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from ddptrain.cli import verb_parser
 from ddptrain.config import ConfigError, RunConfig, register_configs, to_run_config
 from ddptrain.config.hydra import CONF_DIR
 from ddptrain.config.run import resolve_global_batch_size
@@ -33,10 +34,10 @@ if TYPE_CHECKING:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m ddptrain.preview",
-        description="Show tokenized training samples with the trained tokens marked, and the batch plan. Any other "
-        "argument is a Hydra override, as for python -m ddptrain.",
+    parser = verb_parser(
+        "preview",
+        "One process, no workers; trained text is green on a terminal, [[...]] otherwise. Any other argument is a "
+        "Hydra override, as for ddptrain train.",
     )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--n", type=int, default=3, help="show the first N samples of the training set (default 3)")
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--world-size", type=int, help="ranks to plan batches for, all nodes (default parallel.nproc_per_node)"
     )
-    parser.add_argument("--config-dir", type=Path, help="a recipe folder, as for python -m ddptrain")
+    parser.add_argument("--config-dir", type=Path, help="a recipe folder, as for ddptrain train")
     parser.add_argument("--config-name", default="train", help="the config in --config-dir (default train)")
     return parser
 

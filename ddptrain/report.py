@@ -1,7 +1,6 @@
-"""``python -m ddptrain.report SWEEP_DIR``: the sweep report (``ddptrain/sweep/report.py``) from a sweep folder.
+"""``python -m ddptrain.report SWEEP_DIR``, as ``ddptrain report``: the sweep report (``ddptrain/sweep/report.py``).
 
-A thin entry that stays at the package's top level because ``python -m ddptrain.report`` is the documented command
-(README, docs, the sweep's own closing line); the report itself lives in ``sweep/report.py``.
+The one verb whose code lives in a package of another name (``sweep/``): this module keeps its ``python -m`` form.
 """
 
 import sys

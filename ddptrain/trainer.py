@@ -16,14 +16,15 @@ from typing import Any
 
 import torch
 
-from ddptrain import checkpoint, model, parallel, rng, weights
-from ddptrain.attention import wants_varlen_lengths, warn_about_attention_cost
+from ddptrain import checkpoint, model, parallel
 from ddptrain.config import DType, ModelInit, RunConfig, SaveCheckMode, config_as_dict
 from ddptrain.data import TrainingData, batch_token_counts, build_training_data
 from ddptrain.evaluation.best import build_best_tracker
 from ddptrain.evaluation.evaluator import Evaluator
 from ddptrain.evaluation.samples import build_samples
-from ddptrain.model import batch_to_device, build_model, build_tokenizer
+from ddptrain.model import batch_to_device, build_model, build_tokenizer, weights
+from ddptrain.model.attention import wants_varlen_lengths, warn_about_attention_cost
+from ddptrain.model.precision import autocast, autocast_dtype, sharded_compute_dtype
 from ddptrain.observe import profiling, timing
 from ddptrain.observe.console import build_progress_bar
 from ddptrain.observe.flops import build_model_flops, matmul_dtype, peak_tflops
@@ -33,8 +34,7 @@ from ddptrain.observe.window import StepResult, Stopwatch, Window
 from ddptrain.optim import build_optimizer, build_scheduler, divergence_levers, step_optimizer
 from ddptrain.parallel import DistEnv
 from ddptrain.plan.at_start import plan_at_start
-from ddptrain.precision import autocast, autocast_dtype, sharded_compute_dtype
-from ddptrain.process import signals
+from ddptrain.process import rng, signals
 
 log = logging.getLogger(__name__)
 

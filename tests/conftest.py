@@ -23,7 +23,7 @@ from typing import NoReturn
 import pytest
 from hydra import compose, initialize_config_dir
 
-from ddptrain.__main__ import CONF_DIR
+from ddptrain.cli import CONF_DIR, VERBS
 from ddptrain.config import RunConfig, register_configs, to_run_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,9 +54,10 @@ def pytest_configure(config) -> None:
 
 # Under `make test` (pytest -n 2, pytest-xdist) two workers share the 2 cores. The tests that train on 2 ranks run in
 # turn on one of them: two 2-rank runs side by side slow each other's lockstep steps more than they gain. The tests
-# below run beside them on the other worker, in the third of the cores the 2-rank runs leave idle (bench/README.md):
-# one process each, 2-rank runs that mostly wait (for a timeout, a signal, a killed launcher), and the compiled run
-# (under a minute of torch.compile on a cold cache, as in CI, then 3 steps), none timed tightly.
+# below run beside them on the other worker, in the third of the cores the 2-rank runs leave idle
+# (docs/suite_timings.md): one process each, 2-rank runs that mostly wait (for a timeout, a signal, a killed
+# launcher), and the compiled run (under a minute of torch.compile on a cold cache, as in CI, then 3 steps), none
+# timed tightly.
 BESIDE_THE_RANKS = (
     "tests/unit/",
     "tests/gpu/",
@@ -192,8 +193,12 @@ def check_device_set(command: str | bytes | os.PathLike | list) -> None:
         argv = os.fsdecode(command).split()
     else:
         argv = [os.fsdecode(a) for a in command]
-    runs_ddptrain = any(pair == ("-m", "ddptrain") for pair in itertools.pairwise(argv))
-    if (runs_ddptrain or (argv and Path(argv[0]).name == "ddptrain")) and not sets_device(argv):
+    after_m = [i + 2 for i, pair in enumerate(itertools.pairwise(argv)) if pair == ("-m", "ddptrain")]
+    starts = after_m or ([1] if argv and Path(argv[0]).name == "ddptrain" else [])
+    rest = argv[starts[0] :] if starts else []
+    # A verb that trains nothing (ddptrain plan, ddptrain --help, shell completion) needs no device.
+    trains = not (rest[:1] and rest[0] in set(VERBS) - {"train"}) and not {"--help", "-h", "-sc"} & set(rest)
+    if starts and trains and not sets_device(argv):
         pytest.fail(
             f"this test runs ddptrain without trainer.device: {' '.join(argv)}\n"
             "Start it with tests.conftest.run_ddptrain, or add trainer.device=cpu to its command "

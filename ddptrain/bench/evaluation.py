@@ -135,7 +135,7 @@ def bench_save_check(model: str, repeats: int) -> dict[str, float]:
     from ddptrain.evaluation.peft_check import PeftRoundTrip, Probe
     from ddptrain.evaluation.readback import ReadBack
     from ddptrain.evaluation.save_check import build_save_checks
-    from ddptrain.precision import TORCH_DTYPES
+    from ddptrain.model.precision import TORCH_DTYPES
 
     overrides = [f"model={model}"]
     if model != "tiny_qwen2":

@@ -1,6 +1,8 @@
 """The memory plan's predictions for two real architectures: per-rank peak of a LoRA micro-step, no weights needed.
 
     python -m ddptrain.bench.memory_plan [--tokens 1024,4096,8192] [--world-size 4]
+    python -m ddptrain.bench.memory_plan --presets     # every conf/model preset at its full size
+
 
 Qwen2.5-7B and Qwen2.5-0.5B (the bundled architecture configs), LoRA r=16 on every linear layer, bf16 weights and
 bf16 autocast, model.loss_chunk_tokens=512, on CUDA ranks of a DDP job: for one micro-batch of each token count (one
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
@@ -144,6 +147,47 @@ def measure_cpu_step(rows: int, width: int, checkpointing: bool, path: str | Non
     return (peak - baseline) / GIB
 
 
+def parameter_count(cfg: ModelConfig) -> int:
+    """The model's parameters, counted on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(architecture_config(cfg))
+    return sum(p.numel() for p in model.parameters())
+
+
+def plan_presets(world_size: int, tokens: int = 4096, device_gb: float = 80.0) -> None:
+    """Every model preset (``conf/model/*.yaml`` but the bundled tiny one) at its full size, as the preset sets it
+    (dtype, attention kernel, LoRA) with gradient checkpointing on: one micro-batch of ``tokens`` tokens (one row,
+    half of its positions trained) on CUDA ranks of a DDP job, against ``device_gb`` GiB."""
+    from ddptrain.cli import CONF_DIR
+    from ddptrain.preview import compose_run_config
+
+    print(
+        f"| preset | parameters | LoRA trainable | weights (GiB) | activations kept (GiB) | transient (GiB) "
+        f"| predicted peak (GiB) | fits {device_gb:.0f} GB | planned in (s) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    shape = BatchShape(rows=1, width=tokens, targets=tokens // 2, padded=False)
+    for preset in sorted(Path(CONF_DIR, "model").glob("*.yaml")):
+        cfg = compose_run_config([f"model={preset.stem}", "model.init=random"], None, "train").model
+        if cfg.dtype == DType.fp32:  # the bundled tiny model: nothing to plan at a GPU's size
+            continue
+        cfg = dataclasses.replace(cfg, gradient_checkpointing=True)
+        started = time.perf_counter()
+        fake = FakeModel(architecture_config(cfg), cfg, DType.bf16)
+        parts = predicted(fake, shape, world_size)
+        seconds = time.perf_counter() - started
+        trainable, _ = fake.trainable_parameters()
+        print(
+            f"| {preset.stem} | {parameter_count(cfg) / 1e9:.2f} B | {trainable / 1e6:.1f} M | "
+            f"{parts['weights']:.2f} | "
+            f"{parts['activations']:.2f} | {parts['transient']:.2f} | {parts['peak']:.2f} | "
+            f"{'yes' if parts['peak'] <= device_gb else 'no'} | {seconds:.1f} |",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1024,4096,8192", help="tokens per micro-batch, comma-separated")
@@ -152,12 +196,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--cpu-check", action="store_true", help="predicted against measured on this CPU (the tiny Qwen2)"
     )
+    parser.add_argument("--presets", action="store_true", help="every model preset at full size, 4k tokens, 80 GB")
     parser.add_argument("--measure-cpu-step", help=argparse.SUPPRESS)  # [rows, width, checkpointing, path?]
     args = parser.parse_args(argv)
     if args.measure_cpu_step:
         import json
 
         print(measure_cpu_step(*json.loads(args.measure_cpu_step)))
+        return
+    if args.presets:
+        plan_presets(args.world_size)
         return
     if args.cpu_check:
         cpu_check([(8, 512), (16, 2048)])

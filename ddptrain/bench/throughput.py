@@ -114,7 +114,7 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from ddptrain.__main__ import CONF_DIR
+    from ddptrain.cli import CONF_DIR
     from ddptrain.config import register_configs, to_run_config
 
     register_configs()

@@ -64,9 +64,9 @@ from ddptrain.checkpoint.format import upgrade_state, version_of
 from ddptrain.checkpoint.writer import CheckpointWriter, NullCheckpointWriter, build_writer
 from ddptrain.config import TrainerConfig
 from ddptrain.evaluation.best import BestTracker
+from ddptrain.model.precision import TORCH_DTYPES
 from ddptrain.parallel import DistEnv
-from ddptrain.precision import TORCH_DTYPES
-from ddptrain.rng import RNGState
+from ddptrain.process.rng import RNGState
 
 __all__ = [  # the files' names too: ``checkpoint.verify``, ``checkpoint.MANIFEST``, ... as callers know them
     "BEST",

@@ -32,7 +32,7 @@ from ddptrain.checkpoint.files import (
     read_manifest,
     what_it_holds,
 )
-from ddptrain.rng import rng_untouched
+from ddptrain.process.rng import rng_untouched
 
 if TYPE_CHECKING:  # the save check imports the checkpoint's files: imported where it is used, not at import time
     from ddptrain.evaluation.best import BestRule

@@ -1,4 +1,4 @@
-"""The ``plan`` group's schema: what the memory plan (``python -m ddptrain.plan``) plans for, and its checks."""
+"""The ``plan`` group's schema: what the memory plan (``ddptrain plan``) plans for, and its checks."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class PlanConfig:
     resident_baseline_gb: Optional[float] = None
     """On a CPU, GiB a rank's process holds besides the tensors the plan counts: the interpreter, the libraries and
     the tokenized data. The report measures the process's resident peak, which holds them; null = measured where
-    the plan runs (each rank of a starting run, before its weights load; ``python -m ddptrain.plan``, its own
+    the plan runs (each rank of a starting run, before its weights load; ``ddptrain plan``, its own
     process); 0 = plan the tensors alone."""
 
 

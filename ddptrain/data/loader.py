@@ -95,7 +95,7 @@ SAMPLE_LOG_TOKENS = 1024  # the start-up log shows at most this much of the firs
 
 def log_first_sample(train: datasets.Dataset, tokenizer: PreTrainedTokenizerBase) -> None:
     """The first training sample as the model sees it, trained text marked, in the log (rank 0): a template that
-    masks the wrong span shows at once. ``python -m ddptrain.preview`` shows any sample, and the batch plan."""
+    masks the wrong span shows at once. ``ddptrain preview`` shows any sample, and the batch plan."""
     row = train[0]
     ids, labels = row["input_ids"][:SAMPLE_LOG_TOKENS], row["labels"][:SAMPLE_LOG_TOKENS]
     more = len(row["input_ids"]) - len(ids)

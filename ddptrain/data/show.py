@@ -1,6 +1,6 @@
 """Showing tokenized samples: the text as the model sees it, with the trained tokens marked.
 
-Used by ``python -m ddptrain.preview`` (terminal text and an HTML page) and by the run log, which prints the first
+Used by ``ddptrain preview`` (terminal text and an HTML page) and by the run log, which prints the first
 training sample at start. A token is trained when its label is not ``IGNORE_INDEX``. No torch in this module.
 """
 

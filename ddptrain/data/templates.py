@@ -196,7 +196,7 @@ def _reply_spans(
             continue
         through = full if i == len(messages) - 1 else render(messages[: i + 1], False)  # a render less per row
         # Where the reply ends in ``through``: as in ``full`` while the two agree that far, else found in order.
-        reply_end = position if through.startswith(full[:position]) else _reply_end(through, messages, i)
+        reply_end = position if through.startswith(full[:position]) else _reply_end(through, messages, i, render)
         written_after = through[reply_end:]
         end_of_turn = _agreed_tokens(written_after, full[position:], token_ends).rstrip()
         position += len(end_of_turn)
@@ -206,18 +206,39 @@ def _reply_spans(
     return spans, tuple(eos_after)
 
 
-def _reply_end(through: str, messages: list[dict[str, str]], i: int) -> int:
+def _reply_end(through: str, messages: list[dict[str, str]], i: int, render: Render) -> int:
     """Where reply ``i``'s text ends in ``through`` (the conversation rendered up to that reply, by a template that
-    rewrote earlier turns): each message's text found in order from the start."""
+    writes it otherwise than the whole conversation does: Qwen3 opens the last reply with a think block, Mistral v0.3
+    moves the system message): where the reply stands when its text is marked, else each message's text found in
+    order from the start."""
+    text = messages[i]["content"].strip()
+    start = _marked_reply_start(through, messages[: i + 1], i, render, -1)
+    if start >= 0:
+        return start + len(text)
     position = 0
     for message in messages[: i + 1]:
         if message["role"] != "system":
-            text = message["content"].strip()
-            found = through.find(text, position)
+            found = through.find(message["content"].strip(), position)
             if found < 0:  # rewritten beyond finding: nothing known after the reply
                 return len(through)
-            position = found + len(text)
+            position = found + len(message["content"].strip())
     return position
+
+
+_MARK = "\x00reply\x00"
+
+
+def _marked_reply_start(rendered: str, messages: list[dict[str, str]], i: int, render: Render, otherwise: int) -> int:
+    """Where reply ``i``'s text starts in ``rendered`` (the template applied to ``messages``): the conversation is
+    rendered once more with the reply's text replaced by a mark, and the mark's place is the reply's where the two
+    renderings agree up to it. A plain search can stop inside text the template writes around the reply: "hi" in
+    Qwen3's ``<think>``, "d" in a previous ``<|im_end|>``. ``otherwise`` where the mark does not settle it."""
+    text = messages[i]["content"].strip()
+    marked = render([*messages[:i], {**messages[i], "content": _MARK}, *messages[i + 1 :]], False)
+    at = marked.find(_MARK)
+    if at >= 0 and rendered.startswith(marked[:at]) and rendered.startswith(text, at):
+        return at
+    return otherwise
 
 
 def _generation_prompt_end(

@@ -6,7 +6,7 @@ for each lever whose effect follows from what was measured. ``write_report`` add
 and PNG plots to the run folder. ``what_if`` estimates another number of processes from a ring all-reduce model.
 The rules, the prediction formulas and the bandwidth table are written out in docs/diagnostics.md.
 
-Run it on a folder: ``python -m ddptrain.diagnose RUN_DIR [--what-if parallel.nproc_per_node=8 link=nvlink]``.
+Run it on a folder: ``ddptrain diagnose RUN_DIR [--what-if parallel.nproc_per_node=8 link=nvlink]``.
 Neither torch nor matplotlib is imported at module import: a copied run folder is enough to diagnose it.
 
 The package, in the order of the pipeline: ``runs`` reads the run folder into averaged figures and the step model;

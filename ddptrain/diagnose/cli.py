@@ -1,7 +1,6 @@
-"""The command line, ``python -m ddptrain.diagnose RUN_DIR [--what-if parallel.nproc_per_node=8 link=nvlink]``: write
-the report into the run folder, print its short version and, when asked, the what-if. The command's ``--help``
-description is the first line of the package's docstring, which ``__main__`` passes in (importing the package here
-would be an import loop).
+"""The command line, ``ddptrain diagnose RUN_DIR [--what-if parallel.nproc_per_node=8 link=nvlink]``: write
+the report into the run folder, print its short version and, when asked, the what-if. Its ``--help`` is the
+verb's (``ddptrain.cli``), the same under ``python -m ddptrain.diagnose``.
 """
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ddptrain.cli import verb_parser
 from ddptrain.diagnose.render import console_summary, format_what_if, write_files, write_report
 from ddptrain.diagnose.runs import MIB, DiagnoseError
 from ddptrain.diagnose.scaling import LINKS, resolve_link, what_if
@@ -75,8 +75,8 @@ def _what_if_request(args: argparse.Namespace) -> dict | None:
     }
 
 
-def _parser(description: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ddptrain.diagnose", description=description)
+def _parser() -> argparse.ArgumentParser:
+    parser = verb_parser("diagnose")
     parser.add_argument("run_dir", type=Path, help="a run folder (holds metrics.jsonl and config.yaml)")
     parser.add_argument(
         "--what-if", nargs="+", metavar="KEY=VALUE", help="parallel.nproc_per_node=N link=pcie|nvlink|ib|ethernet"
@@ -88,21 +88,20 @@ def _parser(description: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, description: str | None = None) -> int:
-    """``python -m ddptrain.diagnose RUN_DIR [--what-if parallel.nproc_per_node=8 link=nvlink] [--no-plots]``.
+def main(argv: list[str] | None = None) -> int:
+    """``ddptrain diagnose RUN_DIR [--what-if parallel.nproc_per_node=8 link=nvlink] [--no-plots]``.
 
     Checks the command first (a malformed one writes nothing), then writes the report into RUN_DIR and prints its
     short version (and the what-if).
 
     Args:
         argv: the arguments (default: the command line's).
-        description: the ``--help`` description (``__main__`` passes the package docstring's first line).
 
     Returns:
         0, or 2 when the command is malformed, there is nothing to diagnose, or the what-if cannot run (the reason
         goes to stderr).
     """
-    args = _parser(description).parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         request = _what_if_request(args)
         report = write_report(args.run_dir, plots=not args.no_plots)

@@ -116,14 +116,14 @@ def _comm_levers(s: dict, by_rank: list[dict], st: RunSettings, th: DiagnoseConf
 
 def _fsdp2_levers(st: RunSettings) -> list[dict]:
     """FSDP2's own: keep the gathered layers to the backward (one all-gather of each layer per micro-step instead of
-    two, at the memory of every layer gathered: python -m ddptrain.plan says whether it fits), or DDP where a replica
+    two, at the memory of every layer gathered: ddptrain plan says whether it fits), or DDP where a replica
     fits (one all-reduce per step, no all-gathers). Not predicted: the step clock does not time FSDP2's all-gathers
     apart from the compute they wait in. Accumulation does not help here: each micro-step gathers the weights again."""
     levers = []
     if st["parallel.reshard_after_forward"]:
         why = "each layer's weights are gathered again for its backward: keep them instead (more memory; plan first)"
         levers.append(_lever("parallel.reshard_after_forward", False, why))
-    why = "where a whole replica fits (python -m ddptrain.plan parallel.strategy=ddp), DDP gathers no weights"
+    why = "where a whole replica fits (ddptrain plan parallel.strategy=ddp), DDP gathers no weights"
     return [*levers, _lever("parallel.strategy", "ddp", why)]
 
 

@@ -175,7 +175,7 @@ def _predicted_text(s: dict) -> str:
     )
     return (
         f" (predicted before the start: {s['mem_predicted_gb']:.2f} GiB{device} for the training step, "
-        "`python -m ddptrain.plan`; the peak measured is the run's up to its last logged step, the weights' loading "
+        "`ddptrain plan`; the peak measured is the run's up to its last logged step, the weights' loading "
         f"and any evaluation or save check before it included{kept})"
     )
 

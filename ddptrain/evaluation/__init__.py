@@ -7,7 +7,7 @@
     readback   every save's files read back bit for bit against the live trainable tensors
     peft_check an adapter's round trip through plain peft: its logits, the merged model's weights (a rounding bound)
     full_check a full fine-tune's round trip through plain transformers, bit for bit, tied head included
-    host       the check's host: all its cores, room to keep a GPU run's base (Liger's classes: ddptrain.liger)
+    host       the check's host: all its cores, room to keep a GPU run's base (Liger's classes: ddptrain.model.liger)
 
 The trainer calls them; each takes the values it needs as arguments (no config group is read here).
 """

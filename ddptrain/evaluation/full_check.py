@@ -27,7 +27,7 @@ from torch import nn
 from ddptrain.checkpoint.files import tied_groups
 from ddptrain.evaluation.host import all_cores
 from ddptrain.evaluation.readback import SaveCheckError, few_keys, same_bits
-from ddptrain.liger import unpatched
+from ddptrain.model.liger import unpatched
 
 log = logging.getLogger("ddptrain.checkpoint")
 

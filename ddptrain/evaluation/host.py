@@ -11,7 +11,7 @@
   base on the host between checks only while this leaves room for it (``peft_check.KEEP_BASE_ROOM``): the memory plan
   counts the device, not the host.
 
-The check builds its models with transformers' own classes where Liger patched them: ``ddptrain.liger.unpatched``.
+The check builds its models with transformers' own classes where Liger patched them: ``ddptrain.model.liger.unpatched``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ training model computes.
   ``PeftModel.from_pretrained`` must compute the training model's logits on a fixed probe batch (a few training rows),
   compared without autocast on the attended positions. Both compute the same sums in the same order (the adapters
   load in fp32, as they train): ``LOAD_TOLERANCE``, measured 0.
-- **The merged model** (``merge_and_unload``, what ``python -m ddptrain.export --merge`` writes) is checked weight by
+- **The merged model** (``merge_and_unload``, what ``ddptrain export --merge`` writes) is checked weight by
   weight: it holds no LoRA layer any more, and each adapted weight is the training model's ``W + scale * B @ A``
   rounded to the base's dtype, element by element within ``merge_error``'s bound (derived there from the dtype and
   the rank; the depth does not enter). A merge that lost the adapter, or one layer's, is refused wherever the dtype
@@ -51,7 +51,7 @@ from torch import nn
 
 from ddptrain.evaluation.host import all_cores, mem_available_bytes
 from ddptrain.evaluation.readback import ADAPTER_CONFIG, ADAPTER_FILE, SaveCheckError, few_keys, recorded_base
-from ddptrain.liger import unpatched
+from ddptrain.model.liger import unpatched
 
 log = logging.getLogger("ddptrain.checkpoint")
 LOAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
@@ -151,7 +151,7 @@ def lora_factors(layer: nn.Module, adapter: str) -> tuple[torch.Tensor, torch.Te
 
 
 MERGE_ADVICE = (
-    "python -m ddptrain.export --merge would write another model than the one trained; the adapter itself loads as "
+    "ddptrain export --merge would write another model than the one trained; the adapter itself loads as "
     "trained. Export it without --merge, and report this with the versions of peft and transformers."
 )
 

@@ -31,9 +31,7 @@ class RunFiles:
         try:
             report = diagnose.write_report(run_dir, plots=False)
         except Exception as err:  # the training is done: a report that fails must not fail the run
-            logging.getLogger(__name__).warning(
-                "no run report (%s); retry with: python -m ddptrain.diagnose %s", err, run_dir
-            )
+            logging.getLogger(__name__).warning("no run report (%s); retry with: ddptrain diagnose %s", err, run_dir)
             return None
         print(diagnose.console_summary(report), file=sys.stderr)
         return report

@@ -1,4 +1,4 @@
-"""``python -m ddptrain.plan [--world-size N] [overrides]``: will the run fit? Every rank's predicted peak memory.
+"""``ddptrain plan [--world-size N] [overrides]``: will the run fit? Every rank's predicted peak memory.
 
 One process, no workers, no weights: the run's config is composed from the same overrides as ``python -m ddptrain``
 (and checked the same way), its data tokenized through the same cache a run uses and batched by the same plan, and
@@ -13,20 +13,21 @@ import sys
 import time
 from pathlib import Path
 
+from ddptrain.cli import verb_parser
 from ddptrain.preview import refuse_unknown_options, run_config_or_none, tokenized
 
 DOES_NOT_FIT = 3
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m ddptrain.plan",
-        description="Predict every rank's peak memory for a run, before it starts. Any other argument is a Hydra "
-        "override, as for python -m ddptrain.",
+    parser = verb_parser(
+        "plan",
+        "One process, no weights: the model is simulated on fake tensors. Any other argument is a Hydra override, as "
+        "for ddptrain train. Exit status: 0 fits, 3 does not fit, 2 configuration error, 1 unreadable data.",
     )
     parser.add_argument("--world-size", type=int, help="ranks to plan for, all nodes (default parallel.nproc_per_node)")
     parser.add_argument("--no-levers", action="store_true", help="skip the largest batch and the levers (faster)")
-    parser.add_argument("--config-dir", type=Path, help="a recipe folder, as for python -m ddptrain")
+    parser.add_argument("--config-dir", type=Path, help="a recipe folder, as for ddptrain train")
     parser.add_argument("--config-name", default="train", help="the config in --config-dir (default train)")
     return parser
 

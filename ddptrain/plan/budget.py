@@ -139,7 +139,7 @@ def fixed_costs(cfg: PlanConfig, device: str, world_size: int) -> dict[str, int]
 
 def resident_at_start(cfg: PlanConfig) -> int:
     """plan.resident_baseline_gb, else this process's resident set now (``/proc/self/statm``): called before any
-    weight loads (a starting rank, after tokenizing; ``python -m ddptrain.plan``), it is what the process holds
+    weight loads (a starting rank, after tokenizing; ``ddptrain plan``), it is what the process holds
     besides the tensors the plan counts: the interpreter, the libraries, the tokenized data. 0 where there is no
     /proc (the plan then counts the tensors alone)."""
     if cfg.resident_baseline_gb is not None:

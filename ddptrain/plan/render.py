@@ -1,4 +1,4 @@
-"""The memory plan as text: the table ``python -m ddptrain.plan`` prints and a run logs at start."""
+"""The memory plan as text: the table ``ddptrain plan`` prints and a run logs at start."""
 
 from __future__ import annotations
 

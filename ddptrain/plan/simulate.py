@@ -33,8 +33,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from ddptrain.config import Attention, DType, ModelConfig
 from ddptrain.model import CausalLMLoss, apply_gradient_checkpointing, apply_lora
+from ddptrain.model.precision import TORCH_DTYPES
 from ddptrain.plan.flash import PLANNED_FLASH
-from ddptrain.precision import TORCH_DTYPES
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ddptrain.config import DType, RunConfig, Strategy
+from ddptrain.model.precision import TORCH_DTYPES
 from ddptrain.plan.simulate import FakeModel
-from ddptrain.precision import TORCH_DTYPES
 
 FP32 = 4  # bytes: FSDP2's masters, their gradients, AdamW's states and reduce_dtype
 RESHARD = "parallel.reshard_after_forward"

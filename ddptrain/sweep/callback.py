@@ -45,5 +45,5 @@ def refresh(sweep_dir: Path) -> list[dict[str, Any]]:
     try:
         return write_sweep_report(sweep_dir)
     except Exception as err:
-        log.warning("no sweep report (%s); retry with: python -m ddptrain.report %s", err, sweep_dir)
+        log.warning("no sweep report (%s); retry with: ddptrain report %s", err, sweep_dir)
         return []

@@ -1,6 +1,6 @@
 """What ``hydra/launcher=parallel`` does: run a sweep's jobs side by side, each a DDP group on its own devices.
 
-The parent (the ``python -m ddptrain -m`` process) composes every job's config, resolves its folder (so the
+The parent (the ``ddptrain train -m`` process) composes every job's config, resolves its folder (so the
 ``${now:}`` of the sweep folder is read once, here), and keeps up to ``hydra.launcher.jobs`` jobs running. Each
 job runs in a fresh process (``concurrent.futures`` over a ``spawn`` context: nothing of the parent's torch or
 CUDA state is inherited) that first takes its device slice (``devices.Slice``: ``CUDA_VISIBLE_DEVICES``, pinned

@@ -17,13 +17,12 @@
   job, each bar labelled by the job's overrides).
 
 It is written after every job (the Hydra callback in ``ddptrain/sweep/callback.py``), so it exists while the sweep
-runs and after it was interrupted, and on demand: ``python -m ddptrain.report SWEEP_DIR``. The figures per job are
+runs and after it was interrupted, and on demand: ``ddptrain report SWEEP_DIR``. The figures per job are
 the ones the run's own diagnosis uses (``ddptrain.diagnose.runs``), so the two never disagree. No torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import io
@@ -37,6 +36,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from ddptrain.cli import verb_parser
 from ddptrain.diagnose.runs import DiagnoseError, RunSettings, read_metrics, summarize
 from ddptrain.sweep import jobs
 
@@ -362,11 +362,8 @@ def console_lines(sweep_dir: Path, rows: list[dict[str, Any]], top: int = 3) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ddptrain.report SWEEP_DIR [--no-plots]``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m ddptrain.report",
-        description="Compare the jobs of a sweep: report.md, report.csv and plots in the sweep folder.",
-    )
+    """``ddptrain report SWEEP_DIR [--no-plots]``."""
+    parser = verb_parser("report", "A sweep's report is also rewritten as each of its jobs ends.")
     parser.add_argument("sweep_dir", type=Path, help="the sweep folder (outputs/multirun/<date>_<time>)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument(

@@ -271,6 +271,6 @@ def test_multirun_under_torchrun_is_refused(tmp_path) -> None:
     marker = f"trainer.output_dir={tmp_path}"
     result = run_ddptrain(["-m", "optim.grad_accum_steps=1,2", marker], timeout=90, launcher=TORCHRUN)
     assert result.returncode != 0
-    assert "python -m ddptrain -m" in result.stdout + result.stderr
+    assert "ddptrain train -m" in result.stdout + result.stderr
     assert not any(tmp_path.iterdir()), "refused before Hydra made a sweep folder or a job ran"
     assert_no_process_left(marker)

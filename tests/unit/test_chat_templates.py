@@ -76,6 +76,16 @@ ZEPHYR = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+# Qwen3's shape: ChatML, and the reply after the last user turn opens with a <think> block (empty without reasoning),
+# so a reply is written one way while it is the last and another once a user turn follows it.
+QWEN3 = (
+    "{%- set ns = namespace(last_query=-1) %}{%- for m in messages %}{%- if m['role'] == 'user' %}"
+    "{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' %}{{- '<|im_start|>assistant\n' }}{%- if loop.index0 > ns.last_query %}"
+    "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{{- m['content'] + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
 # Nothing after a reply: ddptrain inserts the EOS.
 BARE = (
     "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
@@ -97,8 +107,16 @@ LETTERS = [
     {"role": "user", "content": "Wrong. Again?"},
     {"role": "assistant", "content": "e"},
 ]
+# Replies that also occur inside text the template writes before them (Qwen3's "<think>" holds "hi" and "k").
+THINK_LETTERS = [
+    {"role": "user", "content": "Say hi."},
+    {"role": "assistant", "content": "hi"},
+    {"role": "user", "content": "A letter of think?"},
+    {"role": "assistant", "content": "k"},
+]
 CONVERSATIONS = [
     TURNS,
+    THINK_LETTERS,
     [SYSTEM, *TURNS],
     [SYSTEM, *TURNS[:2]],
     [OPENER, *TURNS],
@@ -110,7 +128,7 @@ PADDED = [
     {"role": "user", "content": "  Name a prime number.\n"},
     {"role": "assistant", "content": " Seven is prime. \n"},
 ]
-NO_SYSTEM = [TURNS, [OPENER, *TURNS], PADDED, LETTERS]
+NO_SYSTEM = [TURNS, [OPENER, *TURNS], PADDED, LETTERS, THINK_LETTERS]
 
 
 def with_template(template: str, bos: str, eos: str, special: list[str]):
@@ -136,6 +154,9 @@ def family(name: str):
         return with_template(PHI3, "<s>", "<|endoftext|>", [*roles, "<|end|>"]), "{}<|end|>"
     if name == "gemma":
         return with_template(GEMMA, "<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"]), "{}<end_of_turn>"
+    if name == "qwen3":
+        special = ["<|im_start|>", "<think>", "</think>"]
+        return with_template(QWEN3, "<|endoftext|>", "<|im_end|>", special), "{}<|im_end|>"
     if name == "zephyr":
         return with_template(ZEPHYR, "<s>", "</s>", roles), "{}</s>"
     template = MISTRAL if name == "mistral" else MISTRAL_V3
@@ -145,6 +166,8 @@ def family(name: str):
 # What a template writes after the conversation's last reply, beyond how it ends every reply (its trained span
 # runs to the conversation's end, trailing whitespace excluded).
 LAST_REPLY_END = {"phi3": "\n<|endoftext|>"}
+# What a template writes before the last reply only: Qwen3's (empty) think block, which the model is to write.
+LAST_REPLY_START = {"qwen3": "<think>\n\n</think>\n\n"}
 
 
 def target_runs(ids: list[int], labels: list[int], tokenizer) -> list[str]:
@@ -175,7 +198,7 @@ def encode_file(tmp_path: Path, cache: Path, tokenizer, rows: list[dict], **sett
     "name",
     [
         pytest.param("qwen2", marks=requires_shared),
-        *("llama3", "llama3.1", "mistral", "mistral-v0.3", "phi3", "gemma", "zephyr"),
+        *("llama3", "llama3.1", "mistral", "mistral-v0.3", "phi3", "gemma", "zephyr", "qwen3"),
     ],
 )
 def test_training_ids_are_the_templates_and_only_assistant_replies_are_trained(name, tmp_path, datasets_cache):
@@ -190,7 +213,7 @@ def test_training_ids_are_the_templates_and_only_assistant_replies_are_trained(n
         expected_ids = tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
         assert row["input_ids"] == expected_ids, "training ids differ from the model's own chat format"
         replies = [reply_end.format(m["content"].strip()) for m in messages if m["role"] == "assistant"]
-        replies[-1] += LAST_REPLY_END.get(name, "")
+        replies[-1] = LAST_REPLY_START.get(name, "") + replies[-1] + LAST_REPLY_END.get(name, "")
         assert target_runs(row["input_ids"], row["labels"], tokenizer) == replies
 
 

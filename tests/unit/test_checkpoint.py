@@ -16,11 +16,12 @@ from peft import PeftModel
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from ddptrain import checkpoint, export, parallel, rng
+from ddptrain import checkpoint, export, parallel
 from ddptrain.checkpoint.format import FORMAT_VERSION, upgrade_state
 from ddptrain.config import SaveCheckMode, to_yaml
 from ddptrain.evaluation.save_check import SaveCheckError, build_save_checks
 from ddptrain.model import build_model, build_tokenizer
+from ddptrain.process import rng
 from ddptrain.trainer import Trainer
 from tests.conftest import REPO, compose_config
 

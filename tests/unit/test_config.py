@@ -8,7 +8,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from ddptrain import config
-from ddptrain.__main__ import CONF_DIR
+from ddptrain.cli import CONF_DIR
 from ddptrain.config import Attention, Batching, CommHook, ConfigError, Device
 from tests.conftest import REPO, compose_config
 

@@ -23,6 +23,26 @@ def test_a_ddptrain_command_without_trainer_device_fails_the_test(command: list[
         check_device_set(" ".join(command))  # shell=True form
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        [*PYTHON_M, "train", "trainer.max_steps=1", "plan"],  # a verb's name elsewhere than the verb's place
+        ["ddptrain", "train", "model=tiny_qwen2"],
+        "export HF_HOME=/x && python -m ddptrain trainer.max_steps=1",
+    ],
+)
+def test_a_training_command_that_names_a_verb_elsewhere_still_needs_the_device(command) -> None:
+    with pytest.raises(pytest.fail.Exception, match=UNSET):
+        check_device_set(command)
+
+
+def test_verbs_that_train_nothing_help_and_completion_need_no_device() -> None:
+    check_device_set(["ddptrain", "plan", "model=tiny_qwen2"])
+    check_device_set([*PYTHON_M, "report", "outputs/multirun/x"])
+    check_device_set(["ddptrain", "train", "--help"])
+    check_device_set(["ddptrain", "-sc", "query=bash"])
+
+
 def test_commands_that_set_the_device_or_do_not_run_ddptrain_pass() -> None:
     check_device_set([*PYTHON_M, "trainer.device=cpu"])
     check_device_set([*TORCHRUN_M, "trainer.max_steps=1", "trainer.device=cuda"])

@@ -584,15 +584,14 @@ def test_cli_what_if_on_a_link_of_ones_own(tmp_path, capsys):
     assert "link=roce" in capsys.readouterr().out
 
 
-def test_cli_help_describes_the_command_with_the_package_docstring(capsys, monkeypatch):
+def test_python_m_diagnose_shows_the_verbs_help(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["python -m ddptrain.diagnose", "--help"])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("ddptrain.diagnose", run_name="__main__")  # as python -m runs it
     assert exit_info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the description to the terminal's width
-    first_line = diagnose.__doc__.split("\n")[0]
-    assert first_line.startswith("The run's diagnosis: where each optimizer step's time went")
-    assert f"run_dir {first_line} positional arguments" in out
+    assert out.startswith("usage: ddptrain diagnose ")
+    assert "A run's report: where each step's time went" in out
 
 
 def test_console_summary_has_throughput_ranks_balance_verdict_and_levers(tmp_path):

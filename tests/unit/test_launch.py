@@ -43,7 +43,7 @@ def test_only_one_process_lets_hydra_make_the_run_folder(environ: dict[str, str]
 
 
 def test_a_sweep_under_torchrun_is_refused_naming_the_command_to_run() -> None:
-    with pytest.raises(SystemExit, match=r"run `python -m ddptrain -m \.\.\.`"):
+    with pytest.raises(SystemExit, match=r"run `ddptrain train -m \.\.\.`"):
         launch.hydra_argv([*ARGV, "-m"], Start.from_environ(TORCHRUN_RANK1))
     assert launch.hydra_argv([*ARGV, "-m"], Start.from_environ({})) == [*ARGV, "-m"]
 

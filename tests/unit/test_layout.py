@@ -91,6 +91,82 @@ def test_the_entry_point_is_at_most_40_lines() -> None:
     assert len(lines) <= 40, f"ddptrain/__main__.py has {len(lines)} lines: move what is not composition to launch.py"
 
 
+# ----------------------------------------------------------------------------- the top level (issue 41)
+
+MAX_TOP_LEVEL_MODULES = 10
+
+
+def top_level_modules(package: Path) -> list[str]:
+    """The ``.py`` files directly in the package (its ``__init__`` and ``__main__`` count): the first thing a reader
+    sees of the architecture; everything else belongs to a package that names its job."""
+    return sorted(path.name for path in package.glob("*.py"))
+
+
+def is_shim(source: str) -> bool:
+    """A module that defines nothing and runs nothing: imports, ``__all__`` and a docstring only. Its importers
+    should import what it re-exports from where that lives."""
+    body = ast.parse(source).body
+    inert = (ast.Import, ast.ImportFrom)
+    return bool(body) and all(
+        isinstance(node, inert)
+        or (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+        or (isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["__all__"])
+        for node in body
+    )
+
+
+def command_modules(package: Path) -> dict[str, str]:
+    """``python -m`` name -> module path, of every module outside ``bench/`` that runs as a command (a
+    ``__main__.py``, or an ``if __name__ == "__main__":`` block)."""
+    found = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        if "bench" in parts:
+            continue
+        if '__name__ == "__main__"' in path.read_text():
+            name = ".".join(parts[:-1] if parts[-1] == "__main__" else parts)
+            found[name] = str(path.relative_to(package.parent))
+    return found
+
+
+def test_the_top_level_holds_at_most_10_modules_and_no_shim() -> None:
+    modules = top_level_modules(PACKAGE)
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, (
+        f"ddptrain/ holds {len(modules)} modules {modules}: move each beside what uses it (a package per job)"
+    )
+    assert not [m for m in modules if m.startswith("checkpoint")], "the checkpoint code is one package: checkpoint/"
+    shims = [name for name, source in package_sources().items() if is_shim(source) and "__init__" not in name]
+    assert not shims, f"modules that only re-export: {shims}: import from where the names live, delete these"
+
+
+def test_every_command_is_a_verb_of_the_ddptrain_command() -> None:
+    """The command entry points in one place: ``ddptrain/cli.py``'s verbs. Every ``python -m ddptrain.X`` is one of
+    them, each verb's module has its ``main``, and no other module builds an argument parser of its own."""
+    from ddptrain.cli import VERBS
+
+    commands = command_modules(PACKAGE)
+    assert set(commands) == {"ddptrain"} | {verb.python_m for verb in VERBS.values()}, commands
+    for name, verb in VERBS.items():
+        module_source = (PACKAGE.parent / (verb.module.replace(".", "/") + ".py")).read_text()
+        assert f"def {verb.function}(" in module_source, f"verb {name}: {verb.module} has no {verb.function}()"
+    parsers = [name for name, source in package_sources().items() if "argparse.ArgumentParser(" in source]
+    assert parsers == ["ddptrain/cli.py"], f"build parsers with ddptrain.cli.verb_parser, not in {parsers}"
+
+
+def test_the_top_level_rules_see_a_crowded_top_level_a_shim_and_a_stray_command(tmp_path: Path) -> None:
+    for name in ("__init__", "a", "b", "c", "d", "e", "f", "g", "h", "i", "j"):
+        (tmp_path / f"{name}.py").write_text("")
+    assert len(top_level_modules(tmp_path)) == 11
+    assert is_shim('"""Moved."""\nfrom x.y import Start\n\n__all__ = ["Start"]\n')
+    assert not is_shim('from x import main\n\nif __name__ == "__main__":\n    main()\n')
+    assert not is_shim("import x\n\n\ndef f():\n    pass\n")
+    (tmp_path / "tool").mkdir()
+    (tmp_path / "tool" / "__main__.py").write_text('if __name__ == "__main__":\n    pass\n')
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "x.py").write_text('if __name__ == "__main__":\n    pass\n')
+    assert command_modules(tmp_path) == {f"{tmp_path.name}.tool": f"{tmp_path.name}/tool/__main__.py"}
+
+
 def test_no_import_cycle_in_the_package() -> None:
     graph = import_graph()
     assert "ddptrain.parallel" in graph["ddptrain.launch"], "the graph misses a lazy import"

@@ -16,13 +16,13 @@ from ddptrain.config import Attention, DataConfig, DType, ModelConfig, ModelInit
 from ddptrain.data import IGNORE_INDEX, Collator, RowEncoder
 from ddptrain.model import (
     CausalLMLoss,
-    ChunkedHeadLoss,
     apply_gradient_checkpointing,
     build_base_model,
     build_model,
     build_tokenizer,
     check_tokenizer_fits,
 )
+from ddptrain.model.head_loss import ChunkedHeadLoss
 from tests.conftest import QWEN2_TOKENIZER, REPO, compose_config, requires_shared
 from tests.numerics import reordered_sum_tolerance
 
@@ -182,7 +182,7 @@ def test_chunked_head_runs_its_gemms_in_the_autocast_dtype_and_the_softmax_in_fp
 
     recorder = HeadGemms(vocab)
     with recorder, torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = ChunkedHeadLoss.apply(hidden, weight, targets, chunk)
+        loss = ChunkedHeadLoss.apply(hidden, weight, targets, chunk, None)
     grad_hidden, grad_weight = torch.autograd.grad(loss, (hidden, weight))
     dtypes = {d for operands, _ in recorder.products for d in operands}
     shapes = {shape for _, shape in recorder.products}
@@ -208,8 +208,8 @@ def test_chunked_head_scales_the_gradient_in_fp32_before_casting_to_bf16():
     scale = torch.tensor(2 / 3)
     assert scale.to(torch.bfloat16).item() != scale.item()
 
-    (unscaled,) = torch.autograd.grad(ChunkedHeadLoss.apply(hidden, weight, targets, 8), hidden)
-    (scaled,) = torch.autograd.grad(ChunkedHeadLoss.apply(hidden, weight, targets, 8), hidden, grad_outputs=scale)
+    (unscaled,) = torch.autograd.grad(ChunkedHeadLoss.apply(hidden, weight, targets, 8, None), hidden)
+    (scaled,) = torch.autograd.grad(ChunkedHeadLoss.apply(hidden, weight, targets, 8, None), hidden, grad_outputs=scale)
     assert scaled.dtype == torch.bfloat16
     assert torch.equal(scaled, (unscaled.float() * scale).to(torch.bfloat16)), "one rounding, after the fp32 product"
 

@@ -488,7 +488,7 @@ def test_the_save_check_term_of_a_cpu_plan_is_the_copy_of_the_weights_the_check_
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ddptrain.evaluation.save_check import Probe
-    from ddptrain.precision import TORCH_DTYPES
+    from ddptrain.model.precision import TORCH_DTYPES
 
     common = ["data.max_rows=200", "parallel=single"]
     cfg = compose_config(common)

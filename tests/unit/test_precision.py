@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from ddptrain import config, parallel
-from ddptrain.attention import attention_cost_warning, dense_attention_overhead, warn_about_attention_cost
 from ddptrain.config import ConfigError, DType, Precision, TrainerConfig, resolve_precision
+from ddptrain.model.attention import attention_cost_warning, dense_attention_overhead, warn_about_attention_cost
+from ddptrain.model.precision import settle_precision
 from ddptrain.observe import flops
-from ddptrain.precision import settle_precision
 from tests.conftest import compose_config
 
 H100 = "NVIDIA H100 80GB HBM3"  # datasheet: bf16 989.5 dense, TF32 494.5, FP32 67
@@ -61,7 +61,7 @@ def gpu(monkeypatch, capability: tuple[int, int], name: str = H100) -> None:
 def test_on_an_ampere_gpu_auto_becomes_bf16_and_fp32_matmuls_use_tf32(monkeypatch, cuda_matmul_mode, caplog) -> None:
     gpu(monkeypatch, (9, 0))
     torch.backends.cuda.matmul.allow_tf32 = False
-    with caplog.at_level(logging.INFO, logger="ddptrain.precision"):
+    with caplog.at_level(logging.INFO, logger="ddptrain.model.precision"):
         settled = settle_precision(TrainerConfig(), CUDA)
     assert settled.precision == Precision.bf16
     assert torch.backends.cuda.matmul.allow_tf32 and flops.tf32_matmuls()
@@ -297,6 +297,6 @@ def test_the_attention_advice_walks_the_plan_only_on_a_gpu(caplog) -> None:
 
     warn_about_attention_cost(config.Attention.sdpa, torch.device("cpu"), rows)
     assert walked == []
-    with caplog.at_level(logging.WARNING, logger="ddptrain.attention"):
+    with caplog.at_level(logging.WARNING, logger="ddptrain.model.attention"):
         warn_about_attention_cost(config.Attention.sdpa, CUDA, rows)
     assert walked == ["plan"] and "2.0x the attention scores" in caplog.text

@@ -18,14 +18,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddptrain import checkpoint, liger, parallel
+from ddptrain import checkpoint, parallel
 from ddptrain.config import SaveCheckMode
 from ddptrain.evaluation import host
 from ddptrain.evaluation.peft_check import merge_error
 from ddptrain.evaluation.readback import SaveCheckError
 from ddptrain.evaluation.save_check import SaveChecks, build_save_checks
-from ddptrain.model import build_model, build_tokenizer, point_adapter_at_base, save_random_base
-from ddptrain.precision import TORCH_DTYPES
+from ddptrain.model import build_model, build_tokenizer, liger, point_adapter_at_base, save_random_base
+from ddptrain.model.precision import TORCH_DTYPES
 from ddptrain.trainer import Trainer
 from tests.conftest import REPO, compose_config
 

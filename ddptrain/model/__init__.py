@@ -21,9 +21,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from ddptrain.config import ModelConfig, ModelInit
 from ddptrain.data.encode import IGNORE_INDEX
-from ddptrain.liger import apply_liger_kernel
-from ddptrain.precision import TORCH_DTYPES
-from ddptrain.weights import start_lora, why_not_by_rows
+from ddptrain.model.head_loss import ChunkedHeadLoss, capped, chunked_head_eval_sums, top1_correct
+from ddptrain.model.liger import apply_liger_kernel
+from ddptrain.model.precision import TORCH_DTYPES
+from ddptrain.model.weights import start_lora, why_not_by_rows
 
 log = logging.getLogger(__name__)
 
@@ -128,107 +129,20 @@ def apply_gradient_checkpointing(model: nn.Module, reentrant: bool = False) -> N
     model.enable_input_require_grads()
 
 
-def _chunk_loss(
-    h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, dtype: torch.dtype, count_correct: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One chunk's logits in fp32, turned in place into exp(logits - row max).
+def _final_logit_softcap(config: PretrainedConfig) -> float | None:
+    """Gemma 2's c in c·tanh(z/c) over the logits, which the head loss applies as the model does (None: no cap).
 
-    The GEMM runs in ``dtype`` (the weight's, or autocast's); the max, exp, sum and log in fp32.
-
-    Returns:
-        The (chunk x vocab) fp32 buffer of exp(logits - row max), its row sums, the chunk's loss sum, and (with
-        ``count_correct``: evaluation) how many of its targets the greedy guess gets right (``top1_correct``).
+    Raises:
+        ValueError: the model scales its logits some other way, which the head loss does not apply.
     """
-    buffer = (h.to(dtype) @ weight.t()).float()
-    target_logit = buffer.gather(1, t[:, None]).squeeze(1)
-    correct = top1_correct(buffer, t) if count_correct else None  # an argmax pass: evaluation only
-    row_max = buffer.amax(dim=-1, keepdim=True)
-    sum_exp = buffer.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
-    return buffer, sum_exp, (sum_exp.log() + row_max).squeeze(1).sub_(target_logit).sum(), correct
-
-
-def top1_correct(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Targets that are their row's argmax: what greedy decoding picks (of tied logits, the first; a model whose
-    logits are all equal gets only the targets that happen to be token 0 right, not all)."""
-    return (logits.argmax(dim=-1) == targets).sum()
-
-
-def _gemm_dtype(weight: torch.Tensor) -> torch.dtype:
-    """Autocast's dtype when autocast is on for the weight's device (what ``F.linear`` would use), else the weight's."""
-    device = weight.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-
-
-def chunked_head_eval_sums(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ cross-entropy(hidden @ weightᵀ, targets) and the targets guessed right, without gradients, ``chunk`` rows at
-    a time (evaluation).
-
-    At most one (chunk x vocab) fp32 buffer exists at a time; the GEMM runs in autocast's dtype when it is on.
-    """
-    dtype = _gemm_dtype(weight)
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
-    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        w = weight.to(dtype)
-        for start in range(0, hidden.shape[0], chunk):
-            _, _, chunk_loss, chunk_correct = _chunk_loss(
-                hidden[start : start + chunk], w, targets[start : start + chunk], dtype, count_correct=True
-            )
-            loss += chunk_loss
-            correct += chunk_correct
-    return loss, correct
-
-
-class ChunkedHeadLoss(torch.autograd.Function):
-    """Σ cross-entropy(hidden @ weightᵀ, targets), computed ``chunk`` rows at a time.
-
-    For each chunk, forward computes the fp32 logits, the loss, and right away the gradient
-    of the loss sum w.r.t. the logits, (softmax − one-hot), which it turns into the gradients
-    of ``hidden`` and (if trainable) ``weight`` before dropping the logits. Backward only
-    scales those saved gradients. Peak extra memory: one chunk × vocab fp32 tensor (under
-    autocast, plus its copy in autocast's dtype, and the weight's copy if the weight is fp32).
-
-    Precision: under autocast the three GEMMs (logits, grad_hidden, grad_weight) run in
-    autocast's dtype, as ``F.linear`` would; softmax, log-sum-exp and the sums over chunks
-    stay fp32. Without autocast the GEMMs run in the weight's dtype (grad_weight: fp32).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
-        autocast = torch.is_autocast_enabled(hidden.device.type)
-        dtype = _gemm_dtype(weight)
-        w = weight.to(dtype)  # cast once, not once per chunk (a no-op without autocast)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, hidden.shape[0], chunk):
-                h, t = hidden[start : start + chunk], targets[start : start + chunk]
-                # One (chunk x vocab) fp32 buffer, transformed in place: logits -> exp -> softmax -> gradient.
-                buffer, sum_exp, chunk_loss, _ = _chunk_loss(h, w, t, dtype)
-                loss += chunk_loss
-                buffer.div_(sum_exp)[torch.arange(len(t), device=t.device), t] -= 1.0  # softmax - one_hot
-                grad_logits = buffer.to(dtype)  # the buffer itself when dtype is fp32
-                grad_hidden[start : start + chunk] = (grad_logits @ w).to(hidden.dtype)
-                if grad_weight is None:
-                    continue
-                if autocast:  # each chunk's (vocab x hidden) product in autocast's dtype, their sum in fp32
-                    grad_weight += grad_logits.t() @ h.to(dtype)
-                else:
-                    grad_weight.addmm_(buffer.t(), h.float())
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad_hidden, grad_weight = ctx.saved_tensors
-        # Scale in fp32, then cast once: the scale (world_size / tokens) rounded to bf16 is up to 0.4% off.
-        scaled_hidden = (grad_hidden.float() * grad_loss.float()).to(grad_hidden.dtype)
-        scaled_weight = None if grad_weight is None else (grad_weight * grad_loss).to(ctx.weight_dtype)
-        return scaled_hidden, scaled_weight, None, None
+    scaled = {key: getattr(config, key, 1.0) for key in ("logit_scale", "logits_scaling")}
+    scaled = {key: value for key, value in scaled.items() if value not in (None, 1.0)}
+    if scaled:
+        raise ValueError(
+            f"{config.model_type} scales its logits ({scaled}), which ddptrain's head loss does not apply: its loss "
+            "would differ from the model's. Pick another model, or open an issue to have it supported."
+        )
+    return getattr(config, "final_logit_softcapping", None)
 
 
 class CausalLMLoss(nn.Module):
@@ -247,6 +161,7 @@ class CausalLMLoss(nn.Module):
         self.decoder = causal_lm.get_decoder()
         self.lm_head = causal_lm.get_output_embeddings()
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.softcap = _final_logit_softcap(causal_lm.config)
 
     def forward(
         self,
@@ -324,9 +239,11 @@ class CausalLMLoss(nn.Module):
         target_hidden, target_ids = self.targets(hidden, labels, target_index)
         weight = self.lm_head.weight
         if self.loss_chunk_tokens > 0 and type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
-            loss, correct = chunked_head_eval_sums(target_hidden, weight, target_ids, self.loss_chunk_tokens)
+            loss, correct = chunked_head_eval_sums(
+                target_hidden, weight, target_ids, self.loss_chunk_tokens, self.softcap
+            )
         else:
-            logits = self.lm_head(target_hidden).float()
+            logits = capped(self.lm_head(target_hidden).float(), self.softcap)
             loss = F.cross_entropy(logits, target_ids, reduction="sum")
             correct = top1_correct(logits, target_ids)
         return loss, correct, target_ids.numel()
@@ -344,14 +261,14 @@ class CausalLMLoss(nn.Module):
         plain_head = type(self.lm_head) is nn.Linear and self.lm_head.bias is None
         if chunk > 0 and plain_head:
             if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-                return ChunkedHeadLoss.apply(hidden, weight, target_ids, chunk)
-            return chunked_head_eval_sums(hidden, weight, target_ids, chunk)[0]
-        return F.cross_entropy(self.lm_head(hidden).float(), target_ids, reduction="sum")
+                return ChunkedHeadLoss.apply(hidden, weight, target_ids, chunk, self.softcap)
+            return chunked_head_eval_sums(hidden, weight, target_ids, chunk, self.softcap)[0]
+        return F.cross_entropy(capped(self.lm_head(hidden).float(), self.softcap), target_ids, reduction="sum")
 
     def full_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits at every position (evaluation, tests, export checks)."""
         hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return self.lm_head(hidden).float()
+        return capped(self.lm_head(hidden).float(), self.softcap)
 
 
 def batch_to_device(batch: dict[str, Any], device: torch.device, compiled: bool) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ddptrain import parallel
 from ddptrain.config import RunConfig
-from ddptrain.precision import TORCH_DTYPES
+from ddptrain.model.precision import TORCH_DTYPES
 
 LORA_WEIGHTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
