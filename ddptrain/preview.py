@@ -189,9 +189,14 @@ def show_samples(cfg: RunConfig, tokenizer, data: TokenizedData, rows: list[int]
     samples = []
     for i in rows:
         row = data.train[i]
-        heading = f"training row {i} · {describe(row, cfg.data.max_length, sources)}"
-        print(f"── {heading}\n{marked_text(tokenizer, row['input_ids'], row['labels'], colour)}\n")
-        samples.append((heading, row["input_ids"], row["labels"]))
+        pair = "rejected_input_ids" in row  # a preference pair: both sequences, each trained on its reply
+        for name, prefix in (("chosen", ""), ("rejected", "rejected_")) if pair else (("", ""),):
+            sequence = {**row, "input_ids": row[f"{prefix}input_ids"], "labels": row[f"{prefix}labels"]}
+            heading = (
+                f"training row {i}{f', {name}' if name else ''} · {describe(sequence, cfg.data.max_length, sources)}"
+            )
+            print(f"── {heading}\n{marked_text(tokenizer, sequence['input_ids'], sequence['labels'], colour)}\n")
+            samples.append((heading, sequence["input_ids"], sequence["labels"]))
     return samples
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ddptrain import checkpoint, model, parallel
 from ddptrain.config import DType, ModelInit, RunConfig, SaveCheckMode, config_as_dict
-from ddptrain.data import TrainingData, batch_token_counts, build_training_data
+from ddptrain.data import TrainingData, batch_token_counts, build_training_data, loss_units
 from ddptrain.evaluation.best import build_best_tracker
 from ddptrain.evaluation.evaluator import Evaluator
 from ddptrain.evaluation.samples import build_samples
@@ -60,7 +60,7 @@ class Trainer:
         self.best = build_best_tracker(cfg.trainer, has_eval=self.data.eval is not None)  # before the weights load
         self.memory_plan = plan_at_start(cfg, self.data.tokenized, env.rank, env.world_size)  # no fit: stops here
         where = parallel.load_device(cfg.parallel, cfg.model.init == ModelInit.pretrained)  # FSDP2: host or meta
-        self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer, load_on=where)
+        self.loss_module = build_model(cfg.model, cfg.trainer.seed, env.device, self.tokenizer, where, cfg.objective)
         rng.seed_rng(cfg.trainer.seed, env.rank)  # same weights everywhere; each rank its own dropout masks
         self.sampler, self.loader = self.data.sampler, self.data.loader
         warn_about_attention_cost(cfg.model.attn_implementation, env.device, self.sampler.row_lengths)
@@ -157,15 +157,15 @@ class Trainer:
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]], stop_requested: bool = False) -> StepResult:
         """One optimizer step over this rank's micro-batches.
 
-        The step's gradient is d/dθ [Σ token losses over the global batch] / N, N the target tokens in the global
-        batch (all ranks, all micro-steps). Each rank back-propagates its loss sum × world_size / N; DDP averages
+        The step's gradient is d/dθ [Σ losses over the global batch] / N, N its target tokens (DPO: its pairs; all
+        ranks, all micro-steps). Each rank back-propagates its loss sum × world_size / N; DDP averages
         over ranks (÷ world_size), which leaves exactly Σ/N whatever the split into ranks and micro-steps. The same
         all-reduce carries the stop request (SIGTERM, Ctrl-C) to every rank at the same step, at no cost. Nothing
         here waits for the device. Gradients live until the next step. ``self.clock`` marks each phase.
         """
         self.clock.enter("to_device", self.step + 1)
         # Counted on the CPU copies: no wait on the device.
-        local_tokens = sum(b["target_index"].numel() for b in micro_batches)  # the collator found the targets
+        local_tokens = sum(loss_units(b) for b in micro_batches)  # target tokens, or DPO's pairs: on the CPU
         batch_tokens = [batch_token_counts(b) for b in micro_batches]
         flops = sum(self.flops.batch_flops(b) for b in micro_batches)
         batches = [batch_to_device(b, self.env.device, self.cfg.trainer.compile) for b in micro_batches]
@@ -228,7 +228,7 @@ class Trainer:
         record = self.window.close(
             step=self.step, epoch=self.sampler.epoch, lr=lr, grad_norm=grad_norm, watch=watch, comm=comm
         )
-        record.update(self.clock.close_window(flops_per_step, self.peak_tflops))
+        record.update(self.clock.close_window(flops_per_step, self.peak_tflops), **self.loss_module.close_window())
         self.metrics.log(record)
         return record
 

@@ -7,7 +7,8 @@ Makes:
 - ``tiny_tokenizer/``: the Qwen2 byte-level BPE cut to its first 4,000 merges (4,259 tokens
   with the three special tokens). Ordinary English still encodes to sensible sub-words, and
   the tiny model's embedding stays small. Qwen2's tokenizer is Apache-2.0.
-- ``tiny_instruct.jsonl`` / ``tiny_chat.jsonl``: procedurally generated instruction data
+- ``tiny_instruct.jsonl`` / ``tiny_chat.jsonl`` / ``tiny_preference.jsonl``: procedurally generated instruction
+  data and preference pairs (an answer preferred to a refusal)
   (sorting, reversing, arithmetic, counting, ...), written by this script, free to redistribute.
   Lengths vary on purpose (short answers to long lists) so that batching has work to do.
 - ``model_configs/``: copies of the Qwen2.5-0.5B and -7B architecture configs (no weights).
@@ -146,6 +147,22 @@ def make_chat(rng: random.Random) -> dict[str, list[dict[str, str]]]:
     return {"messages": messages}
 
 
+# A toy preference: an answer is preferred to a refusal (learnable from the replies' words, so a model of the
+# bundled size gets held-out pairs right; README: "Preference training (DPO)").
+REFUSALS = [
+    " I'm sorry, but I can't help with that.",
+    " As an AI, I cannot answer this question.",
+    " Sorry, I am unable to do that task.",
+    " I cannot assist with this request.",
+]
+
+
+def make_preference(rng: random.Random) -> dict[str, str]:
+    ex = make_example(rng)
+    question = ex["instruction"] + (f"\n{ex['input']}" if ex["input"] else "")
+    return {"prompt": f"Question: {question}\nAnswer:", "chosen": f" {ex['output']}", "rejected": rng.choice(REFUSALS)}
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     with path.open("w") as f:
         for row in rows:
@@ -161,6 +178,7 @@ def main() -> None:
     rng = random.Random(1234)
     write_jsonl(ASSETS / "tiny_instruct.jsonl", [make_example(rng) for _ in range(4000)])
     write_jsonl(ASSETS / "tiny_chat.jsonl", [make_chat(rng) for _ in range(600)])
+    write_jsonl(ASSETS / "tiny_preference.jsonl", [make_preference(rng) for _ in range(600)])
     for name in ("qwen2.5-0.5b", "qwen2.5-7b"):
         (ASSETS / "model_configs" / name).mkdir(parents=True, exist_ok=True)
         shutil.copy(args.model_configs / name / "config.json", ASSETS / "model_configs" / name / "config.json")

@@ -28,6 +28,7 @@ from ddptrain.config.logger import (
     _check_loggers,
 )
 from ddptrain.config.model import Attention, DType, ModelConfig, ModelInit, resolve_precision
+from ddptrain.config.objective import Objective, ObjectiveConfig, PreferenceLossType, Reference
 from ddptrain.config.optim import OptimConfig, Scheduler
 from ddptrain.config.parallel import Backend, CommHook, ParallelConfig, StartMethod, Strategy
 from ddptrain.config.plan import PlanConfig
@@ -69,11 +70,15 @@ __all__ = [
     "MlflowLoggerConfig",
     "ModelConfig",
     "ModelInit",
+    "Objective",
+    "ObjectiveConfig",
     "OnNonFinite",
     "OptimConfig",
     "ParallelConfig",
     "PlanConfig",
     "Precision",
+    "PreferenceLossType",
+    "Reference",
     "RunConfig",
     "SaveCheckMode",
     "Scheduler",

@@ -22,6 +22,7 @@ class Template(str, Enum):
     chat = "chat"  # rows with a list of {"role", "content"} messages (OpenAI style)
     sharegpt = "sharegpt"  # rows with a list of {"from": human|gpt|system, "value"} turns
     text = "text"  # plain text: loss on every token (continued pre-training)
+    preference = "preference"  # prompt, chosen and rejected replies (objective=dpo)
 
 
 class Batching(str, Enum):
@@ -102,6 +103,12 @@ class DataConfig:
     """template=sharegpt: the key of a turn's text."""
     text_field: str = "text"
     """template=text: the field holding the text (every token is trained on, EOS appended)."""
+    prompt_field: str = "prompt"
+    """template=preference: the prompt, a text or a list of messages (absent: the conversations' shared start)."""
+    chosen_field: str = "chosen"
+    """template=preference: the preferred reply: a text, an assistant message, or the whole conversation."""
+    rejected_field: str = "rejected"
+    """template=preference: the other reply, in the same form as the chosen one."""
     chat_template: Optional[str] = None
     """chat and sharegpt rows: null = the tokenizer's own chat template (ChatML when it has none);
     a Jinja string or a path to a .jinja file; chatml = ChatML whatever the tokenizer has."""

@@ -13,6 +13,7 @@ from omegaconf import MISSING, DictConfig, MissingMandatoryValue, OmegaConf
 from ddptrain.config.data import DataConfig, _check_chat_template, _check_data, _check_sources
 from ddptrain.config.logger import LoggerConfig, _check_loggers
 from ddptrain.config.model import ModelConfig, _check_model
+from ddptrain.config.objective import ObjectiveConfig, _check_objective
 from ddptrain.config.optim import OptimConfig, _check_optim
 from ddptrain.config.parallel import ParallelConfig, _check_parallel
 from ddptrain.config.plan import PlanConfig, _check_plan
@@ -36,6 +37,7 @@ class RunConfig:
     trainer: TrainerConfig = MISSING
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -54,6 +56,7 @@ def validate(cfg: RunConfig) -> None:
         + _check_trainer(cfg.trainer)
         + _check_loggers(cfg.logger)
         + _check_plan(cfg.plan)
+        + _check_objective(cfg.objective, cfg.data, cfg.model, cfg.parallel, cfg.trainer, cfg.plan)
     )
     if problems:
         raise ConfigError(problems)

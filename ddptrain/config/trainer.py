@@ -45,7 +45,7 @@ dropped and every rank stops there), skip (its update is dropped and training go
 in a row) or continue (the update is applied, NaN and all)."""
 
 
-EVAL_METRICS = {"eval_loss": False, "eval_perplexity": False, "eval_accuracy": True}
+EVAL_METRICS = {"eval_loss": False, "eval_perplexity": False, "eval_accuracy": True, "eval_rewards_accuracy": True}
 """What an evaluation measures, each with whether a greater value is better (trainer.best_metric)."""
 PROMPT_FILE_TYPES = (".jsonl", ".txt")
 
@@ -109,7 +109,8 @@ class TrainerConfig:
     0 = keep the last ones only, no best/. Nothing to rank without an eval split."""
     best_metric: str = "eval_loss"
     """What makes a checkpoint the best, and what early stopping watches: eval_loss, eval_perplexity or
-    eval_accuracy (the share of target tokens the model's greedy guess gets right)."""
+    eval_accuracy (the share of target tokens the model's greedy guess gets right); objective=dpo: eval_loss or
+    eval_rewards_accuracy (the share of pairs whose chosen reply gets the higher reward)."""
     greater_is_better: Optional[bool] = None
     """The direction of trainer.best_metric; null = by the metric (eval_accuracy: greater, the losses: lower)."""
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)

@@ -33,6 +33,7 @@ _HOMES = {
     "RowsDataset": "collate",
     "batch_token_counts": "collate",
     "build_collator": "collate",
+    "loss_units": "collate",
     "build_datasets": "mixture",
     "build_mixture": "mixture",
     "mixture_indices": "mixture",
@@ -64,6 +65,7 @@ __all__ = [
     "build_mixture",
     "build_training_data",
     "load_rows",
+    "loss_units",
     "mixture_indices",
     "mixture_rows",
     "read_prompts",
@@ -73,7 +75,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ddptrain.data.collate import Collator, RowsDataset, batch_token_counts, build_collator
+    from ddptrain.data.collate import Collator, RowsDataset, batch_token_counts, build_collator, loss_units
     from ddptrain.data.encode import IGNORE_INDEX, RowEncoder, resolve_chat_template
     from ddptrain.data.load import load_rows
     from ddptrain.data.loader import DataOrder, TrainingData, build_batching_spec, build_training_data

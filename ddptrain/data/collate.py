@@ -35,7 +35,8 @@ class RowsDataset(torch.utils.data.Dataset):
     """Indexable by a row: a tuple of sample indices (several when packed)."""
 
     def __init__(self, data: datasets.Dataset):
-        self.data = data.with_format(None, columns=["input_ids", "labels"])
+        pairs = ["rejected_input_ids", "rejected_labels"] if "rejected_input_ids" in data.column_names else []
+        self.data = data.with_format(None, columns=["input_ids", "labels", *pairs])
 
     def __len__(self) -> int:
         return len(self.data)
@@ -72,6 +73,10 @@ class Collator:
 
     def _pad(self, rows: list[list[dict[str, list[int]]]]) -> dict[str, torch.Tensor]:
         samples = [row[0] for row in rows]
+        if "rejected_input_ids" in samples[0]:  # preference pairs: the chosen sequences, then the rejected ones
+            chosen = [[{"input_ids": s["input_ids"], "labels": s["labels"]}] for s in samples]
+            rejected = [[{"input_ids": s["rejected_input_ids"], "labels": s["rejected_labels"]}] for s in samples]
+            return {**self._pad(chosen + rejected), "pairs": torch.tensor(len(samples))}
         longest = max(len(s["input_ids"]) for s in samples)
         width = round_up(longest, self.pad_to_multiple_of)
         input_ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
@@ -105,6 +110,12 @@ class Collator:
             longest = max(lengths)
             batch.update(cu_seq_lens_q=starts, cu_seq_lens_k=starts, max_length_q=longest, max_length_k=longest)
         return batch
+
+
+def loss_units(batch: dict[str, Any]) -> int:
+    """What a micro-batch's loss is a sum over, counted on its CPU tensors: its preference pairs, or its target
+    tokens. The step divides the summed loss by their total over the global batch."""
+    return int(batch["pairs"]) if "pairs" in batch else batch["target_index"].numel()
 
 
 def build_collator(cfg: DataConfig, pad_id: int, flash_varlen: bool = False) -> Collator:

@@ -97,14 +97,16 @@ def log_first_sample(train: datasets.Dataset, tokenizer: PreTrainedTokenizerBase
     """The first training sample as the model sees it, trained text marked, in the log (rank 0): a template that
     masks the wrong span shows at once. ``ddptrain preview`` shows any sample, and the batch plan."""
     row = train[0]
-    ids, labels = row["input_ids"][:SAMPLE_LOG_TOKENS], row["labels"][:SAMPLE_LOG_TOKENS]
-    more = len(row["input_ids"]) - len(ids)
-    log.info(
-        "data: training row 0 as the model sees it, trained text between [[ and ]]%s:\n%s",
-        f" (its first {SAMPLE_LOG_TOKENS} tokens of {len(row['input_ids'])})" if more else "",
-        marked_text(tokenizer, ids, labels, colour=False),
-        extra=RANK_ZERO_ONLY,
-    )
+    for name, prefix in (("chosen", ""), ("rejected", "rejected_")) if "rejected_input_ids" in row else (("", ""),):
+        ids, labels = row[f"{prefix}input_ids"][:SAMPLE_LOG_TOKENS], row[f"{prefix}labels"][:SAMPLE_LOG_TOKENS]
+        more = len(row[f"{prefix}input_ids"]) - len(ids)
+        log.info(
+            "data: training row 0%s as the model sees it, trained text between [[ and ]]%s:\n%s",
+            f", {name} (a preference pair)" if name else "",
+            f" (its first {SAMPLE_LOG_TOKENS} tokens of {len(row[f'{prefix}input_ids'])})" if more else "",
+            marked_text(tokenizer, ids, labels, colour=False),
+            extra=RANK_ZERO_ONLY,
+        )
 
 
 def _loader_start_method(num_workers: int) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +55,9 @@ class PromptRenderer:
     """Renders prompts in the run's template and tokenizes them as training does (no special tokens added)."""
 
     def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase):
-        self.encoder = RowEncoder(cfg, tokenizer)
+        # Preference pairs' message prompts render as conversations do (the model's template, ChatML without one).
+        chat = replace(cfg, template=Template.chat) if cfg.template == Template.preference else cfg
+        self.encoder = RowEncoder(chat, tokenizer)
         self.cfg = cfg
         self.tokenizer = tokenizer
 
@@ -84,7 +87,7 @@ class PromptRenderer:
         """Where a completion ends: the EOS, and for conversations the tokens that end a reply in the run's template
         (``encode.reply_end_tokens``): a chat model ends its turn with them, not always with the EOS."""
         stops = {self.tokenizer.eos_token_id}
-        if self.cfg.template in (Template.chat, Template.sharegpt):
+        if self.cfg.template in (Template.chat, Template.sharegpt, Template.preference):
             stops |= set(reply_end_tokens(self.encoder))
         return sorted(stops)
 
@@ -94,6 +97,8 @@ class PromptRenderer:
             prompt = str(prompt["prompt"])
         if c.template == Template.text:
             return prompt if isinstance(prompt, str) else _field(prompt, c.text_field)
+        if c.template == Template.preference and isinstance(prompt, str):  # a plain pair's prompt, as trained on
+            return prompt
         if c.template == Template.alpaca:
             if isinstance(prompt, str):
                 return alpaca_prompt(prompt, "")

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 
 import datasets
 
-from ddptrain.config import DataConfig
+from ddptrain.config import DataConfig, Template
 from ddptrain.data.encode import RowEncoder
 from ddptrain.data.load import load_rows
+from ddptrain.data.preference import PairEncoder
 from ddptrain.data.sampler import EpochRows
 
 if TYPE_CHECKING:
@@ -36,13 +37,13 @@ class TokenizedData:
     epoch_rows: EpochRows | None = None  # a weighted mixture: the rows of ``train`` each epoch draws
 
 
-def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, encoder: RowEncoder) -> str:
+def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, encoder: RowEncoder | PairEncoder) -> str:
     """Cache key: the rows read, the tokenizer's vocabulary and every encoding setting.
 
     ``raw._fingerprint`` stands for the rows: datasets derives it from the data files it read (their paths
     and modification times, every file of a glob or folder), so an edited file is tokenized again.
     """
-    tokenizer = encoder.tokenizer
+    tokenizer = encoder.rows.tokenizer if isinstance(encoder, PairEncoder) else encoder.tokenizer
     tok = getattr(tokenizer, "backend_tokenizer", None)
     vocab_id = tok.to_str() if tok is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     settings = [
@@ -62,6 +63,10 @@ def _fingerprint(raw: datasets.Dataset, cfg: DataConfig, encoder: RowEncoder) ->
         cfg.role_field,
         cfg.content_field,
         cfg.text_field,
+        cfg.prompt_field,
+        cfg.chosen_field,
+        cfg.rejected_field,
+        str(cfg.pad_to_multiple_of),  # a preference pair's length holds it
         str(encoder.chat_template),
     ]
     return hashlib.sha256("\x00".join(settings).encode()).hexdigest()[:32]
@@ -86,7 +91,7 @@ def tokenize_file(
     raw = load_rows(path, cfg.cache_dir, key, cfg.subset, split or cfg.split, revision, split_key)
     if max_rows is not None and max_rows < len(raw):
         raw = raw.select(range(max_rows))
-    encoder = RowEncoder(cfg, tokenizer)
+    encoder = PairEncoder(cfg, tokenizer) if cfg.template == Template.preference else RowEncoder(cfg, tokenizer)
     encoded = raw.map(
         encoder,
         batched=True,

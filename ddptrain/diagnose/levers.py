@@ -161,7 +161,7 @@ def _balance_lever(s: dict, split: StepSplit, st: RunSettings) -> dict | None:
     """A balanced batch plan removes the planned part of the wait, never more than was measured."""
     batching = st["data.batching"]
     value = {"random": "token_budget", "length_grouped": "token_budget", "token_budget": "packed"}.get(batching)
-    if value is None:
+    if value is None or (value == "packed" and st["objective.name"] == "dpo"):  # a pair's sequences stay apart
         return None
     planned = max((s.get("rank_imbalance") or 1.0) - 1.0, 0.0)
     removed = min(split.comm_wait, planned * split.compute)
@@ -262,7 +262,7 @@ def _compute_levers(s: dict, by_rank: list[dict], st: RunSettings, th: DiagnoseC
             _lever("model.gradient_checkpointing", False, why, split, replace(split, compute=split.compute * 3 / 4))
         )
     padding = s.get("padding_fraction") or 0.0
-    if padding >= PADDING_SHARE and st["data.batching"] != "packed":
+    if padding >= PADDING_SHARE and st["data.batching"] != "packed" and st["objective.name"] != "dpo":
         why = f"{padding:.0%} of the padded tokens are padding, computed for nothing: packing removes them"
         why += _global_batch_note(st)
         levers.append(
@@ -272,7 +272,8 @@ def _compute_levers(s: dict, by_rank: list[dict], st: RunSettings, th: DiagnoseC
         levers.append(_lever("trainer.precision", "bf16", "fp32 matmuls run far below the tensor cores' bf16 peak"))
     if cuda and not st["model.liger_kernel"]:
         levers.append(_lever("model.liger_kernel", True, "fused RMSNorm/SwiGLU/RoPE kernels: fewer memory round trips"))
-    if not st["trainer.compile"] and st["parallel.strategy"] != "fsdp2":  # not yet under fsdp2: refused
+    # Not yet under fsdp2 or objective=dpo: refused there.
+    if not st["trainer.compile"] and st["parallel.strategy"] != "fsdp2" and st["objective.name"] != "dpo":
         levers.append(_lever("trainer.compile", True, "torch.compile fuses the small ops between the matmuls"))
     if cuda and _memory_headroom(s, by_rank) >= 0.5 and st["data.batching"] in ("random", "length_grouped"):
         value = 2 * st["data.micro_batch_size"]

@@ -20,7 +20,15 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from ddptrain.config import DataConfig, DiagnoseConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
+from ddptrain.config import (
+    DataConfig,
+    DiagnoseConfig,
+    ModelConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainerConfig,
+)
 from ddptrain.evaluation.best import BestRule
 
 # The record's time columns, in the order of the report's tables and the stacked bars.
@@ -159,6 +167,7 @@ _GROUPS = {
     "parallel": ParallelConfig,
     "optim": OptimConfig,
     "trainer": TrainerConfig,
+    "objective": ObjectiveConfig,
 }
 _ABSENT = object()
 

@@ -83,12 +83,8 @@ class Evaluator:
         improved = self.best.observe(step, record)
         metric = self.best.rule.metric
         best = "the best so far" if improved else self.best.best_so_far()
-        log.info(
-            "step %d: eval_loss %.4f, perplexity %.4g, accuracy %.1f%% (%s: %s)",
-            step,
-            record["eval_loss"],
-            record["eval_perplexity"],
-            100 * record["eval_accuracy"],
-            metric,
-            best,
-        )
+        if "eval_rewards_accuracy" in record:  # objective=dpo
+            shown = f"rewards accuracy {100 * record['eval_rewards_accuracy']:.1f}%"
+        else:
+            shown = f"perplexity {record['eval_perplexity']:.4g}, accuracy {100 * record['eval_accuracy']:.1f}%"
+        log.info("step %d: eval_loss %.4f, %s (%s: %s)", step, record["eval_loss"], shown, metric, best)

@@ -16,6 +16,7 @@ import torch
 
 from ddptrain import parallel
 from ddptrain.model import CausalLMLoss, batch_to_device
+from ddptrain.model.preference import PreferenceLoss
 
 
 def evaluate(
@@ -48,6 +49,8 @@ def evaluate(
     loss_module.train(was_training)
     totals = parallel.all_reduce_sum(torch.cat([sums.cpu(), torch.tensor([float(tokens)], dtype=torch.float64)]))
     loss_sum, correct, n = totals.tolist()
+    if isinstance(loss_module, PreferenceLoss):
+        return preference_eval_record(loss_sum, correct, int(n))
     return eval_record(loss_sum, correct, int(n))
 
 
@@ -65,6 +68,13 @@ def in_lockstep(
         mine[-1] if mine else {"input_ids": torch.zeros((1, 1), dtype=torch.long), "labels": torch.full((1, 1), -100)}
     )
     return mine, [spare] * (most - len(mine))
+
+
+def preference_eval_record(loss_sum: float, wins: float, pairs: int) -> dict[str, float]:
+    """objective=dpo: the mean pair loss and the share of pairs whose chosen reply gets the higher reward."""
+    if pairs == 0:
+        return {"eval_loss": math.nan, "eval_rewards_accuracy": math.nan, "eval_pairs": 0}
+    return {"eval_loss": loss_sum / pairs, "eval_rewards_accuracy": wins / pairs, "eval_pairs": pairs}
 
 
 def eval_record(loss_sum: float, correct: float, tokens: int) -> dict[str, float]:

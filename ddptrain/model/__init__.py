@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from ddptrain.config import ModelConfig, ModelInit
+from ddptrain.config import ModelConfig, ModelInit, Objective, ObjectiveConfig
 from ddptrain.data.encode import IGNORE_INDEX
 from ddptrain.model.head_loss import ChunkedHeadLoss, capped, chunked_head_eval_sums, top1_correct
 from ddptrain.model.liger import apply_liger_kernel
 from ddptrain.model.precision import TORCH_DTYPES
+from ddptrain.model.preference import PreferenceLoss
 from ddptrain.model.weights import start_lora, why_not_by_rows
 
 log = logging.getLogger(__name__)
@@ -265,6 +266,10 @@ class CausalLMLoss(nn.Module):
             return chunked_head_eval_sums(hidden, weight, target_ids, chunk, self.softcap)[0]
         return F.cross_entropy(capped(self.lm_head(hidden).float(), self.softcap), target_ids, reduction="sum")
 
+    def close_window(self) -> dict[str, float]:
+        """What the log window adds beyond the token loss: nothing (``PreferenceLoss`` adds the rewards)."""
+        return {}
+
     def full_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits at every position (evaluation, tests, export checks)."""
         hidden = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -345,7 +350,8 @@ def build_model(
     device: torch.device,
     tokenizer: PreTrainedTokenizerBase | None = None,
     load_on: torch.device | None = None,
-) -> CausalLMLoss:
+    objective: ObjectiveConfig | None = None,
+) -> nn.Module:
     """Base model -> LoRA (or full fine-tune) -> gradient checkpointing -> loss module, on ``device``.
 
     Args:
@@ -356,6 +362,8 @@ def build_model(
         load_on: where the weights are built or loaded and the loss module stays, if not on ``device``
             (``parallel.load_device``: FSDP2 builds on the host, or on the meta device, and sharding moves each
             unit's shards to ``device``).
+        objective: the objective group; objective=dpo wraps the causal LM's loss module in DPO's
+            (``model/preference.py``).
 
     Raises:
         ValueError: the tokenizer's ids do not fit the model's input embedding (``check_tokenizer_fits``).
@@ -383,6 +391,8 @@ def build_model(
     total = sum(p.numel() for p in model.parameters())
     log.info("model: %s trainable of %s parameters (%.3f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
     loss_module = CausalLMLoss(model, cfg.loss_chunk_tokens)
+    if objective is not None and objective.name == Objective.dpo:
+        loss_module = PreferenceLoss(loss_module, objective)
     where = torch.device(load_on or device)
     return loss_module if where.type == "meta" else loss_module.to(where)  # meta: its buffers stay on the host
 

@@ -73,32 +73,38 @@ def train_and_record(cfg: RunConfig, run_dir: str, store_port: int) -> None:
 
 
 def train_fixed_layout(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
-    """Train 3 optimizer steps on fixed global batches of 8 samples, split as layout.json says
-    (ranks x micro-steps), through the real Trainer.train_step; rank 0 saves the trainable params."""
+    """Train 3 optimizer steps (or layout.json's ``steps``) on fixed global batches of 8 samples (preference pairs
+    under objective=dpo), split as layout.json says (ranks x micro-steps; ``sizes``: this rank's micro-batches of
+    so many samples, uneven), through the real Trainer.train_step; rank 0 saves the trainable params."""
     from ddptrain.data import Collator, RowsDataset
 
     env = parallel.init_distributed(cfg.parallel, cfg.trainer.device, store_port)
     try:
         setup_logging(env.rank, None)
-        accum = json.loads((Path(run_dir) / "layout.json").read_text())["accum"]
+        layout = json.loads((Path(run_dir) / "layout.json").read_text())
+        accum = layout["accum"]
         trainer = Trainer(cfg, env, Path(run_dir))
         rows = RowsDataset(trainer.data.train)
         collate = Collator(trainer.tokenizer.pad_token_id)
         per_micro = 8 // (env.world_size * accum)
         trainable = {n: p for n, p in trainer.loss_module.named_parameters() if p.requires_grad}
         grads: list[dict[str, torch.Tensor]] = []
+        losses: list[float] = []
         trainer.optimizer.register_step_pre_hook(
             lambda *_: grads.append({n: p.grad.detach().clone() for n, p in trainable.items()})
         )
-        for step in range(3):
+        for step in range(layout.get("steps", 3)):
             global_batch = list(range(step * 8, step * 8 + 8))
             mine = global_batch[env.rank * accum * per_micro : (env.rank + 1) * accum * per_micro]
-            micro = [collate([rows[(i,)] for i in mine[j : j + per_micro]]) for j in range(0, len(mine), per_micro)]
-            trainer.train_step(micro)
+            sizes = layout.get("sizes", [per_micro] * (len(mine) // per_micro))  # this rank's micro-batches
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            micro = [collate([rows[(i,)] for i in mine[a : a + n]]) for a, n in zip(starts, sizes)]
+            result = trainer.train_step(micro)
+            losses.append(float(result.loss_sum) / float(result.target_tokens))  # this rank's mean loss per unit
             trainer.step += 1
         if env.is_rank_zero:
             params = {n: p.detach().clone() for n, p in trainable.items()}
-            torch.save({"params": params, "grads": grads}, Path(run_dir) / "params.pt")
+            torch.save({"params": params, "grads": grads, "losses": losses}, Path(run_dir) / "params.pt")
     finally:
         parallel.teardown()
 

@@ -12,8 +12,10 @@ from ddptrain.cli import CONF_DIR
 from ddptrain.config import Attention, Batching, CommHook, ConfigError, Device
 from tests.conftest import REPO, compose_config
 
-GROUPS = ["model", "data", "parallel", "optim", "trainer", "logger", "plan"]
+GROUPS = ["model", "data", "parallel", "optim", "trainer", "logger", "plan", "objective"]
 NEEDS_PATH = {"alpaca", "chat"}  # data options whose data.path is required
+# Options that train only together: preference pairs and DPO.
+PARTNERS = {("data", "tiny_preference"): "objective=dpo", ("objective", "dpo"): "data=tiny_preference"}
 
 
 def group_options(group: str) -> list[str]:
@@ -22,7 +24,7 @@ def group_options(group: str) -> list[str]:
 
 @pytest.mark.parametrize(("group", "option"), [(g, o) for g in GROUPS for o in group_options(g)])
 def test_every_config_file_composes(group: str, option: str, tmp_path: Path) -> None:
-    overrides = [f"{group}={option}"]
+    overrides = [f"{group}={option}", *([PARTNERS[group, option]] if (group, option) in PARTNERS else [])]
     if group == "data" and option in NEEDS_PATH:
         data_file = tmp_path / "rows.jsonl"
         data_file.write_text('{"instruction": "x", "input": "", "output": "y"}\n')

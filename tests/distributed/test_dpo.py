@@ -1,0 +1,143 @@
+"""DPO on 2 gloo ranks (issue 40): the first step's loss and rewards, the pairs' loss the same whatever the split
+into ranks and micro-steps, the rewards in every log record, and a model of the bundled size that learns the
+bundled preference set (an answer preferred to a refusal: scripts/make_assets.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddptrain.launch import launch
+from tests.conftest import compose_config, read_metrics, train_in_process
+from tests.distributed.test_train_step import relative_diff
+from tests.distributed.workers import train_fixed_layout
+
+pytestmark = pytest.mark.dist
+
+DPO = ["objective=dpo", "data=tiny_preference", "trainer.progress_bar=false", "parallel.timeout_s=60"]
+REWARDS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "logps_chosen", "logps_rejected")
+
+
+def test_a_dpo_run_starts_at_ln2_logs_its_rewards_and_learns_the_held_out_pairs(tmp_path: Path) -> None:
+    """From a fresh adapter (lora_B = 0) the policy is its reference: the first step's loss is ln 2 and every reward
+    0. After 12 steps (of 16 pairs) the held-out pairs' chosen reply gets the higher reward in at least 90% of them,
+    and the best adapter kept is the one evaluated best by that share."""
+    overrides = ["trainer.log_every_n_steps=1", "trainer.max_steps=12", "trainer.eval_every_n_steps=6"]
+    run = train_in_process(tmp_path / "dpo", [*DPO, *overrides, "trainer.best_metric=eval_rewards_accuracy"])
+    records = read_metrics(run)
+    steps = [r for r in records if "rewards_chosen" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    first = steps[0]
+    assert abs(first["loss"] - math.log(2)) <= 1e-6, first["loss"]
+    assert first["rewards_chosen"] == first["rewards_rejected"] == first["rewards_margin"] == 0.0
+    assert first["rewards_accuracy"] == 0.0, "tied rewards: no pair counted as won"
+    assert first["pairs"] == 16 and first["logps_chosen"] < 0 and first["logps_rejected"] < 0
+    assert first["target_tokens"] > 2 * first["pairs"], "both replies' tokens, not the pairs"
+    evals = [r for r in records if "eval_rewards_accuracy" in r]
+    assert [r["step"] for r in evals] == [6, 12] and evals[0]["eval_pairs"] == 60
+    assert evals[-1]["eval_rewards_accuracy"] >= 0.9, evals
+    assert steps[-1]["rewards_margin"] > 0 and steps[-1]["loss"] < math.log(2)
+    best = json.loads((run / "best" / "best.json").read_text())
+    assert best["metric"] == "eval_rewards_accuracy"
+    assert best["eval_rewards_accuracy"] == max(r["eval_rewards_accuracy"] for r in evals)
+
+
+def test_the_pairs_loss_is_the_same_on_2_ranks_as_on_1_rank_with_accumulation(tmp_path: Path) -> None:
+    """2 ranks x 1 micro-step of 4 pairs and 1 rank x 2 micro-steps of 3 and 5 pairs over the same 5 global batches
+    of 8 pairs: every trainable parameter within 1e-5 (fp32). A loss averaged per micro-batch would weigh the 3
+    pairs' more than the 5 pairs' and differ."""
+    params = {}
+    for world, accum, sizes in ((2, 1, [4]), (1, 2, [3, 5])):
+        run_dir = tmp_path / f"{world}x{accum}"
+        run_dir.mkdir()
+        (run_dir / "layout.json").write_text(json.dumps({"accum": accum, "steps": 5, "sizes": sizes}))
+        extra = ["data.eval_fraction=0", "data.max_rows=80", "optim.max_grad_norm=null", "optim.eps=1e-6"]
+        cfg = compose_config([f"parallel.nproc_per_node={world}", f"trainer.output_dir={tmp_path}", *DPO, *extra])
+        launch(cfg, run_dir, entrypoint=train_fixed_layout)
+        params[(world, accum)] = torch.load(run_dir / "params.pt")["params"]
+    got, expected = params[(1, 2)], params[(2, 1)]
+    assert any(v.abs().sum() > 0 for k, v in expected.items() if "lora_B" in k), "the adapter trained"
+    for key, value in expected.items():
+        assert relative_diff(got[key], value) <= 1e-5, f"{key} differs between the layouts"
+
+
+@pytest.mark.parametrize(("loss_type", "steps"), [("sigmoid", 10), ("ipo", 3), ("hinge", 3)])
+def test_ddptrain_and_trls_dpo_trainer_give_the_same_losses(loss_type: str, steps: int, tmp_path: Path) -> None:
+    """TRL's DPOTrainer (a development dependency) and ddptrain, from the same LoRA model and fed the same token ids
+    in the same batches of 8 pairs (β 0.1, AdamW at a constant learning rate without warmup, clipping at 1, no
+    dropout, fp32): the loss of each step within 1e-4, 10 steps of DPO's sigmoid loss, 3 of IPO's and hinge's."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+
+    from ddptrain.data import IGNORE_INDEX
+    from ddptrain.model import build_model, build_tokenizer
+
+    per_step = 8
+    optim = ["optim.scheduler=constant", "optim.warmup_steps=0", "optim.lr=1e-3", "optim.weight_decay=0"]
+    extra = ["data.eval_fraction=0", f"data.max_rows={steps * per_step + 20}", "parallel.nproc_per_node=1", *optim]
+    cfg = compose_config([f"trainer.output_dir={tmp_path}", *DPO, *extra, f"objective.loss_type={loss_type}"])
+    run_dir = tmp_path / "ddptrain"
+    run_dir.mkdir()
+    (run_dir / "layout.json").write_text(json.dumps({"accum": 1, "steps": steps, "sizes": [per_step]}))
+    launch(cfg, run_dir, entrypoint=train_fixed_layout)
+    ours = torch.load(run_dir / "params.pt")["losses"]
+
+    # The same pairs, as the prompt's ids and each reply's (everything from the first trained token on).
+    from ddptrain.data import build_datasets
+
+    tokenizer = build_tokenizer(cfg.model)
+    pairs = build_datasets(cfg.data, tokenizer, cfg.trainer.seed).train.select(range(steps * per_step))
+
+    def split(row: dict) -> dict:
+        first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
+        return {
+            "prompt_ids": row["input_ids"][:first],
+            "chosen_ids": row["input_ids"][first:],
+            "rejected_ids": row["rejected_input_ids"][first:],
+        }
+
+    dataset = Dataset.from_list([split(row) for row in pairs])
+    model = build_model(cfg.model, cfg.trainer.seed, torch.device("cpu"), tokenizer).model  # the same LoRA start
+    theirs: list[float] = []
+
+    class InOrder(trl.DPOTrainer):
+        def _prepare_dataset(self, dataset, *args, **kwargs):  # already ids: tokenized by ddptrain above
+            return dataset
+
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, *args, **kwargs):
+            loss = super().compute_loss(*args, **kwargs)
+            theirs.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+            return loss
+
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        per_device_train_batch_size=per_step,
+        max_steps=steps,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.1,
+        loss_type=loss_type,
+        max_length=None,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        bf16=False,  # TRL's default: fp32 here, as ddptrain on a CPU
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        remove_unused_columns=False,
+        dataloader_drop_last=True,
+    )
+    InOrder(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
+    assert len(theirs) == len(ours) == steps
+    for step, (a, b) in enumerate(zip(ours, theirs), start=1):
+        assert abs(a - b) <= 1e-4, f"step {step}: ddptrain {a:.6f}, TRL {b:.6f}"
