@@ -137,12 +137,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddptrain {metadata.version('ddptrain')}")
         return 0
     if first in VERBS:
-        return VERBS[first].run(argv[1:])
-    if first and not first.startswith(("-", "+", "~")) and "=" not in first:
+        rest = argv[1:]
+        if VERBS[first].overrides and rest and _bare_word(rest[0]):  # `ddptrain train plna`: no override, no option
+            sys.exit(f"ddptrain {first}: {rest[0]!r} is not a key=value override (nor an option).")
+        return VERBS[first].run(rest)
+    if _bare_word(first):
         close = difflib.get_close_matches(first, VERBS, n=1)
         hint = f"did you mean `ddptrain {close[0]}`? " if close else ""
         sys.exit(f"ddptrain: {first!r} is neither a verb nor a key=value override; {hint}verbs: {', '.join(VERBS)}.")
     return VERBS["train"].run(argv)
+
+
+def _bare_word(word: str) -> bool:
+    """Neither an option nor a Hydra override (``key=value``, ``+key=value``, ``~key``)."""
+    return bool(word) and not word.startswith(("-", "+", "~")) and "=" not in word
 
 
 def completion_line(line: str) -> str | None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ddptrain import checkpoint
-from ddptrain.checkpoint.files import what_it_holds
+from ddptrain.checkpoint.files import what_the_run_saved
 from ddptrain.cli import verb_parser
 from ddptrain.config import RunConfig, register_configs
 from ddptrain.model import build_tokenizer, point_adapter_at_base
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     except (checkpoint.CheckpointError, FileNotFoundError) as err:
         sys.exit(f"ddptrain.export: {err}")
     kind = "merged model" if args.merge else "adapter"
-    if what_it_holds(out) == "weights":  # a full fine-tune: nothing to merge
+    if what_the_run_saved(locate(args.source)[0]) == "weights":  # a full fine-tune: nothing to merge
         kind = "fully fine-tuned model"
     print(f"ddptrain.export: wrote the {kind} to {out}")
 

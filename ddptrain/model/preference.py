@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ddptrain import parallel
 from ddptrain.config import ObjectiveConfig, PreferenceLossType
+from ddptrain.data.encode import IGNORE_INDEX
 from ddptrain.model.head_loss import capped
 
 # The log window's sums, in this order (each divided by the window's pairs when logged).
@@ -126,7 +127,7 @@ class PreferenceLoss(nn.Module):
         """Each sequence's summed target-token log-probability, and its target tokens (a float tensor)."""
         hidden = self.causal.hidden(input_ids, attention_mask, None)
         if target_index is None:
-            row, column = (labels[:, 1:] != -100).nonzero(as_tuple=True)
+            row, column = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
             target_index = row * labels.shape[1] + column
         target_hidden, target_ids = self.causal.targets(hidden, labels, target_index)
         token_logps = self.token_logps(target_hidden, target_ids)

@@ -67,6 +67,11 @@ def test_a_word_that_is_no_verb_is_refused_with_the_nearest_verb() -> None:
     assert "did you mean `ddptrain plan`?" in done.stderr
 
 
+def test_a_bare_word_after_a_verb_that_takes_overrides_is_refused_before_hydra_reads_it() -> None:
+    with pytest.raises(SystemExit, match=r"ddptrain train: 'train' is not a key=value override"):
+        main(["train", "train", "model=tiny_qwen2"])
+
+
 def test_shell_completion_completes_after_the_train_verb() -> None:
     """What bash's completion function runs on ``ddptrain train model=tiny<TAB>``."""
     line = "ddptrain train model=tiny"
