@@ -170,11 +170,7 @@ class RowEncoder:
             try:
                 turns_per_row.append(self.turns(row))
             except RowError as err:
-                if not self.cfg.skip_bad_rows:
-                    raise ValueError(
-                        f"{locate_row(source, index)}: {err}. Fix the row, set the {source_group(key)}.*_field keys to "
-                        "your field names, or set data.skip_bad_rows=true to skip such rows."
-                    ) from None
+                skip_or_refuse(err, self.cfg.skip_bad_rows, source, index, key)
                 turns_per_row.append(None)
         encoded = iter(self.encode([t for t in turns_per_row if t is not None]))
         out: dict[str, list] = {k: [] for k in ("input_ids", "labels", "length", "truncated", "bad", "no_target")}
@@ -187,6 +183,20 @@ class RowEncoder:
             out["bad"].append(turns is None)
             out["no_target"].append(turns is not None and _no_target(labels))
         return out
+
+
+def skip_or_refuse(err: RowError, skip: bool, source: str, index: int, key: str) -> None:
+    """A malformed row: skipped (data.skip_bad_rows=true, counted by the caller), else an error naming its file and
+    line, and the fix.
+
+    Raises:
+        ValueError: unless ``skip``.
+    """
+    if not skip:
+        raise ValueError(
+            f"{locate_row(source, index)}: {err}. Fix the row, set the {source_group(key)}.*_field keys to "
+            "your field names, or set data.skip_bad_rows=true to skip such rows."
+        ) from None
 
 
 def _direct_renderer(tokenizer: PreTrainedTokenizerBase, chat_template: str, reference: Render) -> Render | None:

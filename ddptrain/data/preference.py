@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddptrain.config import DataConfig, Template
 from ddptrain.data.batch_cost import round_up
-from ddptrain.data.encode import IGNORE_INDEX, RowEncoder, _no_target
-from ddptrain.data.sources import locate_row, source_group
+from ddptrain.data.encode import IGNORE_INDEX, RowEncoder, _no_target, skip_or_refuse
 from ddptrain.data.templates import RowError, chatml_turns, render_chat
 
 if TYPE_CHECKING:
@@ -105,11 +104,7 @@ class PairEncoder:
             try:
                 cut = cut_pair(*self.sequences(row), self.cfg.max_length)
             except RowError as err:
-                if not self.cfg.skip_bad_rows:
-                    raise ValueError(
-                        f"{locate_row(source, index)}: {err}. Fix the row, set the {source_group(key)}.*_field keys to "
-                        "your field names, or set data.skip_bad_rows=true to skip such rows."
-                    ) from None
+                skip_or_refuse(err, self.cfg.skip_bad_rows, source, index, key)
                 cut, bad = None, True
             else:
                 bad = False
