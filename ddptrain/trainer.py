@@ -22,7 +22,7 @@ from ddptrain.data import TrainingData, batch_token_counts, build_training_data,
 from ddptrain.evaluation.best import build_best_tracker
 from ddptrain.evaluation.evaluator import Evaluator
 from ddptrain.evaluation.samples import build_samples
-from ddptrain.model import batch_to_device, build_model, build_tokenizer, weights
+from ddptrain.model import batch_to_device, build_model, build_tokenizer, precompute_reference, weights
 from ddptrain.model.attention import wants_varlen_lengths, warn_about_attention_cost
 from ddptrain.model.precision import autocast, autocast_dtype, sharded_compute_dtype
 from ddptrain.observe import profiling, timing
@@ -72,6 +72,7 @@ class Trainer:
         gather = sharded_compute_dtype(precision, cfg.model.dtype, cfg.model.lora)  # fsdp2: in place, the same module
         wrapped = parallel.wrap_model(self.loss_module, cfg.parallel, env, self.comm, gather)
         weights.materialize(self.loss_module, cfg, env.device)  # built on the meta device: each rank reads its rows
+        precompute_reference(cfg.objective, cfg.model, cfg.trainer.seed, precision, self.loss_module, self.data, env)
         self.ddp_model = torch.compile(wrapped) if cfg.trainer.compile else wrapped
         self.trainable = [p for p in self.loss_module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(cfg.optim, self.loss_module)
@@ -80,8 +81,7 @@ class Trainer:
         self.autocast = partial(autocast, precision, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=precision == DType.fp16)
         self.guard = build_nonfinite_guard(cfg.trainer, divergence_levers(cfg.optim), self.scaler, env.device)
-        self.window = Window()
-        self.flops = build_model_flops(self.loss_module, enabled=cfg.trainer.timing)
+        self.window, self.flops = Window(), build_model_flops(self.loss_module, enabled=cfg.trainer.timing)
         self.peak_tflops = peak_tflops(env.device, matmul_dtype(precision, cfg.model.dtype), cfg.trainer.peak_tflops)
         self.profiler = profiling.build_profiler(cfg.trainer, env, run_dir, self.clock)
         self.metrics = build_metrics_logger(env.is_rank_zero, run_dir, cfg.logger, config_as_dict(cfg))

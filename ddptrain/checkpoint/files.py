@@ -129,17 +129,24 @@ class AdapterFiles:
             self.tokenizer.save_pretrained(folder)
 
     def ensure_base(self, run_dir: Path) -> None:
-        """A random-init LoRA run's base, in ``<run>/base``, once: the adapters saved from it load onto it."""
+        """The base of a random-init LoRA run, or of one with model.base_adapter merged in, in ``<run>/base``, once:
+        the adapters saved from it load onto it."""
         cfg = self.model_cfg
-        if cfg.init == ModelInit.random and cfg.lora and not (run_dir / "base" / "config.json").is_file():
+        if _base_in_run(cfg) and cfg.lora and not (run_dir / "base" / "config.json").is_file():
             atomic_save_dir(run_dir / "base", lambda tmp: save_random_base(cfg, self.seed, self.tokenizer, tmp))
 
 
 def base_model_path(model_cfg: ModelConfig, run_dir: Path) -> str:
-    """The base a run's adapters load onto: ``<run>/base`` for a random-init model, else ``model.name_or_path``."""
-    if model_cfg.init == ModelInit.random:
+    """The base a run's adapters load onto: ``<run>/base`` for a random-init model or one with model.base_adapter
+    merged in, else ``model.name_or_path``."""
+    if _base_in_run(model_cfg):
         return str((run_dir / "base").resolve())
     return model_cfg.name_or_path
+
+
+def _base_in_run(model_cfg: ModelConfig) -> bool:
+    """Whether no folder but the run's own ``base/`` holds the base its adapters load onto."""
+    return model_cfg.init == ModelInit.random or model_cfg.base_adapter is not None
 
 
 def what_it_holds(folder: Path) -> str:

@@ -6,8 +6,10 @@ precision and on DDP (``trainer.compile`` with checkpointing). ``resolve_precisi
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Optional
 
 from omegaconf import MISSING
@@ -68,6 +70,10 @@ class ModelConfig:
     """Liger-Kernel's fused RMSNorm/SwiGLU/RoPE kernels (CUDA only; pip install 'ddptrain[liger]')."""
     device_map: Optional[str] = None
     """Refused under DDP (each rank holds a full replica); kept so the error can say so."""
+    base_adapter: Optional[str] = None
+    """A LoRA adapter folder (an earlier run's best/ or adapter/) merged into model.name_or_path before this run's own
+    adapter: the base this run trains on, and under objective=dpo its reference (DPO after SFT). The run writes that
+    merged base to <run>/base once, and its adapters load onto it there. null = model.name_or_path as it is."""
 
 
 def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainerConfig) -> list[str]:
@@ -98,7 +104,37 @@ def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainerConfig) -> list[st
         problems += _check_flash_attention(m, t)
     if not 0.0 <= m.lora_dropout < 1.0:
         problems.append(f"model.lora_dropout={m.lora_dropout} must be in [0, 1).")
+    if m.base_adapter is not None:
+        problems += _check_base_adapter(m, p)
     return problems + _check_precision(m, t, p) + _check_compile(m, p, t)
+
+
+def _check_base_adapter(m: ModelConfig, p: ParallelConfig) -> list[str]:
+    """model.base_adapter: an adapter folder, trained on model.name_or_path, merged into a replica (not sharded)."""
+    config_file = Path(m.base_adapter) / "adapter_config.json"
+    if not config_file.is_file():
+        return [
+            f"model.base_adapter={m.base_adapter} holds no adapter_config.json: name a LoRA adapter folder, e.g. an "
+            "SFT run's <run>/best or <run>/adapter."
+        ]
+    problems = []
+    trained_on = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    if m.init != ModelInit.pretrained or not _same_model(trained_on, m.name_or_path):
+        problems.append(
+            f"model.base_adapter={m.base_adapter} was trained on {trained_on}, but this run starts from "
+            f"model.name_or_path={m.name_or_path} (model.init={m.init.value}): set model.name_or_path={trained_on} "
+            "model.init=pretrained."
+        )
+    if p.strategy == Strategy.fsdp2:
+        problems.append("model.base_adapter is merged into a whole replica: use parallel.strategy=ddp, not fsdp2.")
+    return problems
+
+
+def _same_model(a: str | None, b: str) -> bool:
+    """Two names of one model: the same Hub id, or the same folder."""
+    if a is None:
+        return False
+    return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())
 
 
 def _check_precision(m: ModelConfig, t: TrainerConfig, p: ParallelConfig) -> list[str]:

@@ -1,6 +1,7 @@
 """The ``objective`` group's schema (``conf/objective/``): what the model is trained to do. ``sft``: next-token loss
 on the trained tokens (the default). ``dpo``: Direct Preference Optimization on pairs of replies to one prompt
-(``data.template=preference``), the reference being the same model with its LoRA adapter switched off.
+(``data.template=preference``) against a reference: the same model with its LoRA adapter switched off, or the base's
+log-probabilities computed once before training (``objective.reference``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from enum import Enum
 from ddptrain.config.data import Batching, DataConfig, Template
 from ddptrain.config.model import ModelConfig
 from ddptrain.config.parallel import ParallelConfig, Strategy
-from ddptrain.config.plan import PlanConfig
 from ddptrain.config.trainer import EVAL_METRICS, TrainerConfig
 from ddptrain.data.batch_cost import round_up
 
@@ -29,6 +29,7 @@ class PreferenceLossType(str, Enum):
 
 class Reference(str, Enum):
     adapter_off = "adapter_off"  # the policy's own base with its LoRA adapter switched off, without gradients
+    precomputed = "precomputed"  # the base's log-probabilities computed once before training, cached with the data
 
 
 @dataclass
@@ -40,7 +41,10 @@ class ObjectiveConfig:
     loss_type: PreferenceLossType = PreferenceLossType.sigmoid
     """dpo: sigmoid (DPO), ipo or hinge, of the margin m = (chosen - rejected log-ratio against the reference)."""
     reference: Reference = Reference.adapter_off
-    """dpo: the reference model. adapter_off: the same base with the adapter switched off (model.lora=true)."""
+    """dpo: the reference model. adapter_off: the same base with the adapter switched off, run beside the policy at
+    every step (model.lora=true). precomputed: the base's reply log-probabilities computed once before the first step
+    (each rank its share of the pairs), cached beside the tokenized data for the next run of the same data and base
+    model; no reference forward in the step, and a full fine-tune (model.lora=false) can train."""
     sft_weight: float = 0.0
     """dpo: adds this times the chosen reply's mean token loss to each pair's loss (0 = pure preference loss)."""
 
@@ -53,7 +57,7 @@ MEASURED = {
 
 
 def _check_objective(
-    o: ObjectiveConfig, d: DataConfig, m: ModelConfig, p: ParallelConfig, t: TrainerConfig, plan: PlanConfig
+    o: ObjectiveConfig, d: DataConfig, m: ModelConfig, p: ParallelConfig, t: TrainerConfig
 ) -> list[str]:
     problems = []
     if t.best_metric in EVAL_METRICS and t.best_metric not in MEASURED[o.name]:
@@ -88,15 +92,14 @@ def _check_objective(
             "objective=dpo keeps each pair's two sequences apart: use data.batching=length_grouped, random or "
             "token_budget, not packed."
         )
-    if not m.lora:
-        problems.append("objective.reference=adapter_off is the base without the adapter, so it needs model.lora=true.")
+    if not m.lora and o.reference == Reference.adapter_off:
+        problems.append(
+            "objective.reference=adapter_off is the base without the adapter, so it needs model.lora=true: for a "
+            "full fine-tune set objective.reference=precomputed (the base's log-probabilities, computed before "
+            "training)."
+        )
     if p.strategy != Strategy.ddp:
         problems.append(f"objective=dpo runs under parallel.strategy=ddp only so far, not {p.strategy.value}.")
     if t.compile:
         problems.append("objective=dpo does not compile yet: set trainer.compile=false.")
-    if plan.at_start:
-        problems.append(
-            "plan.at_start=true: the memory plan does not price objective=dpo yet (a pair's two sequences and the "
-            "reference forward): set plan.at_start=null or false."
-        )
     return problems

@@ -31,11 +31,21 @@ def batch_token_counts(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
     return (int(mask.sum()) if mask is not None else padded), padded
 
 
+# A preference pair's reference log-probabilities, chosen then rejected (objective.reference=precomputed).
+REFERENCE_COLUMN = "reference_logps"
+PAIR_COLUMNS = ("rejected_input_ids", "rejected_labels", REFERENCE_COLUMN)
+
+
 class RowsDataset(torch.utils.data.Dataset):
     """Indexable by a row: a tuple of sample indices (several when packed)."""
 
     def __init__(self, data: datasets.Dataset):
-        pairs = ["rejected_input_ids", "rejected_labels"] if "rejected_input_ids" in data.column_names else []
+        self.read(data)
+
+    def read(self, data: datasets.Dataset) -> None:
+        """Read rows from ``data`` from now on (the same rows with a column added: the loader's workers, which
+        start with each epoch, see it)."""
+        pairs = [column for column in PAIR_COLUMNS if column in data.column_names]
         self.data = data.with_format(None, columns=["input_ids", "labels", *pairs])
 
     def __len__(self) -> int:
@@ -76,7 +86,11 @@ class Collator:
         if "rejected_input_ids" in samples[0]:  # preference pairs: the chosen sequences, then the rejected ones
             chosen = [[{"input_ids": s["input_ids"], "labels": s["labels"]}] for s in samples]
             rejected = [[{"input_ids": s["rejected_input_ids"], "labels": s["rejected_labels"]}] for s in samples]
-            return {**self._pad(chosen + rejected), "pairs": torch.tensor(len(samples))}
+            batch = {**self._pad(chosen + rejected), "pairs": torch.tensor(len(samples))}
+            if REFERENCE_COLUMN in samples[0]:  # the same order as the rows: chosen, then rejected
+                logps = [s[REFERENCE_COLUMN][0] for s in samples] + [s[REFERENCE_COLUMN][1] for s in samples]
+                batch[REFERENCE_COLUMN] = torch.tensor(logps, dtype=torch.float32)  # computed in fp32: exact
+            return batch
         longest = max(len(s["input_ids"]) for s in samples)
         width = round_up(longest, self.pad_to_multiple_of)
         input_ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)

@@ -25,7 +25,7 @@ import torch
 from ddptrain import parallel
 from ddptrain.config import DataConfig
 from ddptrain.data.batch_cost import ceil_div
-from ddptrain.data.collate import Collator, RowsDataset, build_collator
+from ddptrain.data.collate import REFERENCE_COLUMN, Collator, RowsDataset, build_collator
 from ddptrain.data.encode import RANK_ZERO_ONLY
 from ddptrain.data.mixture import build_datasets
 from ddptrain.data.plan import BatchingSpec, eval_batch_plan
@@ -63,6 +63,14 @@ class TrainingData:
     def tokenized(self) -> TokenizedData:
         """The train and eval sets as the memory plan reads them (with the samples each epoch draws)."""
         return TokenizedData(self.train, self.eval, {}, self.sampler.epoch_rows)
+
+    def use_reference(self, train: torch.Tensor, eval_: torch.Tensor | None) -> None:
+        """objective.reference=precomputed: each pair's reference log-probabilities (a [pairs, 2] tensor per split,
+        chosen and rejected) go into its rows, so every batch carries them; before the loader's first epoch."""
+        self.train = self.train.add_column(REFERENCE_COLUMN, train.tolist())
+        self.loader.dataset.read(self.train)
+        if self.eval is not None and eval_ is not None:
+            self.eval = self.eval.add_column(REFERENCE_COLUMN, eval_.tolist())
 
     def optimizer_steps(self) -> Iterator[list[dict[str, Any]]]:
         """The rest of the epoch, ``grad_accum_steps`` micro-batches at a time (the last step may be short)."""

@@ -25,6 +25,7 @@ from ddptrain.model.head_loss import ChunkedHeadLoss, capped, chunked_head_eval_
 from ddptrain.model.liger import apply_liger_kernel
 from ddptrain.model.precision import TORCH_DTYPES
 from ddptrain.model.preference import PreferenceLoss
+from ddptrain.model.reference import precompute_reference as precompute_reference  # the trainer calls it
 from ddptrain.model.weights import start_lora, why_not_by_rows
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,17 @@ def build_base_model(cfg: ModelConfig, seed: int, device: torch.device | None = 
             device_map=None if device is None else {"": str(device)},
         )
         model.config.use_cache = False
-    return model
+    return merge_base_adapter(model, cfg.base_adapter) if cfg.base_adapter else model
+
+
+def merge_base_adapter(model: nn.Module, folder: str) -> nn.Module:
+    """``model`` with the LoRA adapter in ``folder`` merged into its weights (model.base_adapter): the model that
+    adapter's run trained, now a plain transformers model that a new adapter goes onto."""
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(model, folder).merge_and_unload()
+    log.info("model: %s merged into the base (model.base_adapter)", folder)
+    return merged
 
 
 def _on_meta_device(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
@@ -398,7 +409,8 @@ def build_model(
 
 
 def save_random_base(cfg: ModelConfig, seed: int, tokenizer: PreTrainedTokenizerBase, out_dir: Path) -> None:
-    """Save a randomly initialised base model so that a saved adapter has something to load onto."""
+    """Save the base a run's adapters load onto where no folder holds it: a random start, or the base with
+    model.base_adapter merged in (``build_base_model`` builds either)."""
     base = build_base_model(cfg, seed)
     base.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

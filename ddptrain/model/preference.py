@@ -2,7 +2,8 @@
 
 The collator stacks a micro-batch's pairs as rows: the chosen sequences, then the rejected ones, each labelled on its
 reply. Both go through the policy in one forward; each sequence's reply log-probability is the sum of its target
-tokens' log-probabilities. The reference is the same model with its LoRA adapter switched off, without gradients.
+tokens' log-probabilities. The reference is the same model with its LoRA adapter switched off, without gradients,
+or its log-probabilities precomputed once (``model/reference.py``) and carried by the batch.
 The loss is a sum over pairs: the step divides it by the pairs of the whole global batch (``data.loss_units``), so
 its mean is the same whatever the split into ranks and micro-steps.
 
@@ -98,28 +99,45 @@ class PreferenceLoss(nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         target_index: torch.Tensor | None = None,
-        pairs: torch.Tensor | None = None,
+        reference_logps: torch.Tensor | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, shown, tokens = self.pair_losses(input_ids, labels, attention_mask, target_index)
+        losses, shown, tokens = self.pair_losses(input_ids, labels, attention_mask, target_index, reference_logps)
         counts = torch.stack([torch.tensor(float(len(losses)), device=losses.device), tokens.sum()])
         sums = torch.cat([counts, torch.stack([value.sum() for value in shown.values()])]).double()
         self.window_sums = sums if self.window_sums is None else self.window_sums + sums
         return losses.sum(), torch.tensor(len(losses))
 
     def pair_losses(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, target_index: Any
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        target_index: Any,
+        reference_logps: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Each pair's loss (with ``objective.sft_weight``'s term), what the log shows of it, and each sequence's
-        target tokens."""
+        target tokens. ``reference_logps``: the reference's, precomputed (the batch carries them); else the
+        reference runs here."""
         policy, tokens = self.reply_logps(input_ids, labels, attention_mask, target_index)
-        with torch.no_grad(), self.model.disable_adapter(), _evaluating(self.model):  # no dropout: TRL's way too
-            reference, _ = self.reply_logps(input_ids, labels, attention_mask, target_index)
-        losses, shown = preference_losses(policy, reference, tokens, self.objective)
+        if reference_logps is None:
+            reference_logps = self.reference_logps(input_ids, labels, attention_mask, target_index)
+        losses, shown = preference_losses(policy, reference_logps.to(policy.dtype), tokens, self.objective)
         if self.objective.sft_weight:  # the chosen reply's mean token loss
             pairs = len(losses)
             losses = losses - self.objective.sft_weight * policy[:pairs] / tokens[:pairs]
         return losses, shown, tokens
+
+    @torch.no_grad()
+    def reference_logps(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, target_index: Any
+    ) -> torch.Tensor:
+        """Each sequence's summed reply log-probability under the reference: the base model, its LoRA adapter
+        switched off (a full fine-tune has none: its weights before training are the base), in eval mode (no
+        dropout, as TRL does), without gradients."""
+        adapter_off = getattr(self.model, "disable_adapter", contextlib.nullcontext)
+        with adapter_off(), _evaluating(self.model):
+            return self.reply_logps(input_ids, labels, attention_mask, target_index)[0]
 
     def reply_logps(
         self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None, target_index: Any
@@ -160,10 +178,11 @@ class PreferenceLoss(nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         target_index: torch.Tensor | None = None,
+        reference_logps: torch.Tensor | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Evaluation of a batch of pairs: the loss sum, the pairs whose chosen reward is the higher, the pairs."""
-        losses, shown, _ = self.pair_losses(input_ids, labels, attention_mask, target_index)
+        losses, shown, _ = self.pair_losses(input_ids, labels, attention_mask, target_index, reference_logps)
         return losses.sum(), shown["rewards_accuracy"].sum(), len(losses)
 
     def full_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

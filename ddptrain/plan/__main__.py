@@ -41,14 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     if configured is None:
         return 2
     cfg, world_size = configured
-    if cfg.objective.name.value == "dpo":
-        print(
-            "ddptrain plan: the memory plan does not price objective=dpo yet (a pair's two sequences and the "
-            "reference forward): for the policy's part, plan an objective=sft run of the same model with twice the "
-            "rows per micro-batch, as many sequences as the pairs.",
-            file=sys.stderr,
-        )
-        return 2
     from ddptrain.plan.planner import make_plan  # torch, transformers: after the config check
     from ddptrain.plan.render import render_plan
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ddptrain import parallel
-from ddptrain.config import Objective, RunConfig
+from ddptrain.config import RunConfig
 from ddptrain.data.tokenized import TokenizedData
 from ddptrain.observe.console import RANK_ZERO_ONLY
 from ddptrain.plan.budget import GIB, RESIDENT_AT_START, MemoryPlan, planned_device
@@ -56,10 +56,7 @@ class Prediction:
 
 
 def wanted(cfg: RunConfig) -> bool:
-    """plan.at_start, where null means: on CUDA runs, and wherever plan.device_memory_gb is set; never under
-    objective=dpo, which the plan does not price yet (its config check refuses plan.at_start=true)."""
-    if cfg.objective.name == Objective.dpo:  # a pair's two sequences and the reference forward: not priced yet
-        return False
+    """plan.at_start, where null means: on CUDA runs, and wherever plan.device_memory_gb is set."""
     if cfg.plan.at_start is not None:
         return cfg.plan.at_start
     return planned_device(cfg) == "cuda" or cfg.plan.device_memory_gb is not None

@@ -17,11 +17,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ddptrain.config import Batching, DataConfig
+from ddptrain.config import Batching, DataConfig, Template
 from ddptrain.data.encode import IGNORE_INDEX
 from ddptrain.data.plan import BatchingSpec, MicroBatch, eval_batch_plan, plan_epoch
 from ddptrain.data.tokenized import TokenizedData
 from ddptrain.plan.simulate import BatchShape
+
+PAIRED_LABELS = "rejected_labels"  # preference pairs (objective=dpo): a row holds two sequences
 
 
 @dataclass(frozen=True)
@@ -83,14 +85,17 @@ def eval_candidate(data: TokenizedData, micro_batch_size: int, world_size: int, 
 def worst_case_shape(d: DataConfig) -> Callable[[int], BatchShape]:
     """The costliest micro-batch any data could give at ``n`` (``data.micro_batch_size``, or
     ``data.max_tokens_per_batch`` for token_budget and packed): every row at data.max_length, every position
-    trained (a packed row of ``n`` tokens)."""
+    trained (a packed row of ``n`` tokens). Preference pairs: both sequences of every pair at data.max_length."""
     packed = d.batching == Batching.packed
+    per_row = 2 if d.template == Template.preference else 1  # a pair is two sequences
 
     def shape(n: int) -> BatchShape:
         rows, width = (1, n) if packed else (n, d.max_length)
         if d.batching == Batching.token_budget:
-            rows = max(n // d.max_length, 1)
-        return BatchShape(rows, width, rows * width, padded=not packed, packed=packed)
+            rows = max(n // (per_row * d.max_length), 1)
+        pairs = rows if per_row == 2 else 0
+        rows *= per_row
+        return BatchShape(rows, width, rows * width, padded=not packed, packed=packed, pairs=pairs)
 
     return shape
 
@@ -112,6 +117,7 @@ class CostliestRows:
         self.most_trained = np.cumsum(self.trained)
         self.longest, self.shortest = int(lengths.max()), int(lengths.min())
         self.spec, self.most = spec, len(lengths)
+        self.pairs = PAIRED_LABELS in data.train.column_names
         if spec.mode is Batching.packed:
             self.whole = int(lengths.sum())
         elif spec.mode is Batching.token_budget:
@@ -130,13 +136,22 @@ class CostliestRows:
             return BatchShape(1, width, targets, padded=False, packed=samples > 1)
         width = self.spec.cost([self.longest])
         rows = min(n, self.most) if self.spec.mode is not Batching.token_budget else max(min(n // width, self.most), 1)
-        return BatchShape(rows, width, int(self.most_trained[rows - 1]), padded=self.shortest < width)
+        targets = int(self.most_trained[rows - 1])
+        if self.pairs:  # each pair's two sequences, padded to half its length (padding assumed: the costlier)
+            return BatchShape(2 * rows, width // 2, targets, padded=True, pairs=rows)
+        return BatchShape(rows, width, targets, padded=self.shortest < width)
 
 
 def trained_per_row(rows) -> np.ndarray:
-    """Each row's trained positions (``_targets``: its labels after the first that are not ``IGNORE_INDEX``),
-    counted in arrow, not in Python lists: 0.6 s for Alpaca's 51,481 rows where the lists take several."""
-    labels = rows.with_format("arrow")["labels"]
+    """Each row's trained positions (``_targets``: its labels after the first that are not ``IGNORE_INDEX``; a
+    preference pair's, both sequences'), counted in arrow, not in Python lists: 0.6 s for Alpaca's 51,481 rows where
+    the lists take several."""
+    trained = _trained_in(rows, "labels")
+    return trained + _trained_in(rows, PAIRED_LABELS) if PAIRED_LABELS in rows.column_names else trained
+
+
+def _trained_in(rows, column: str) -> np.ndarray:
+    labels = rows.with_format("arrow")[column]
     if isinstance(labels, pa.ChunkedArray):
         labels = labels.combine_chunks()
     trained = pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX)
@@ -163,10 +178,17 @@ def _candidate(
     max_length: int | None = None,
 ) -> Candidate:
     samples = tuple(i for row in batch for i in row)
-    labels = rows.select(samples)["labels"]
-    targets = sum(_targets(sample_labels[:max_length]) for sample_labels in labels)
+    selected = rows.select(samples)
+    targets = sum(_targets(sample_labels[:max_length]) for sample_labels in selected["labels"])
     sizes = [int(lengths[i]) for i in samples]
     width = _width(batch, lengths, spec)
+    if PAIRED_LABELS in rows.column_names:  # the collator's rows: every chosen sequence, then every rejected one
+        targets += sum(_targets(sample_labels) for sample_labels in selected[PAIRED_LABELS])
+        sequences = [len(ids) for column in ("input_ids", "rejected_input_ids") for ids in selected[column]]
+        shape = BatchShape(
+            2 * len(samples), width // 2, targets, padded=min(sequences) < width // 2, pairs=len(samples)
+        )
+        return Candidate(rank, where, samples, shape)
     packed = spec.mode is Batching.packed
     shape = BatchShape(
         rows=len(batch),

@@ -9,7 +9,7 @@ import math
 import numpy as np
 from transformers import PretrainedConfig
 
-from ddptrain.config import Batching, RunConfig, Strategy
+from ddptrain.config import Batching, Objective, RunConfig, Strategy
 from ddptrain.data.loader import build_batching_spec
 from ddptrain.data.plan import BatchingSpec, plan_epoch
 from ddptrain.data.tokenized import TokenizedData
@@ -61,7 +61,7 @@ def make_plan(
     fixed = fixed_costs(cfg.plan, device, world_size)  # first: the resident set before the fake model is built
     config = architecture_config(cfg.model)
     precision = precision_of(cfg, device)
-    built = FakeModel(config, cfg.model, precision, compiled=cfg.trainer.compile)
+    built = FakeModel(config, cfg.model, precision, compiled=cfg.trainer.compile, objective=cfg.objective)
     model = step_model(built, config, cfg, precision)  # fsdp2: computed on its gathered copies, in param_dtype
     spec = build_batching_spec(cfg.data, world_size, cfg.optim.grad_accum_steps, cfg.trainer.seed)
     held = held_memory(built, cfg, world_size, spec.grad_accum_steps, device, precision)
@@ -174,7 +174,8 @@ def levers(
         )
     # Sharding is slower than a replica (a layer's weights all-gathered in forward and again in backward): named only
     # where the replica does not fit.
-    if p.strategy == Strategy.ddp and plan.world_size > 1 and plan.fits is False:
+    replicas = p.strategy == Strategy.ddp and cfg.objective.name != Objective.dpo  # DPO: not under fsdp2 yet
+    if replicas and plan.world_size > 1 and plan.fits is False:
         note = f"each rank 1/{plan.world_size} of the weights, gradients and AdamW states; layers gathered per use"
         found.append(_parallel_lever(plan, cfg, config, "parallel.strategy=fsdp2", note, strategy=Strategy.fsdp2))
     if p.strategy == Strategy.fsdp2 and not p.reshard_after_forward:
@@ -213,7 +214,7 @@ def _replanned_held(
 ) -> tuple[MemoryPlan, FakeModel]:
     """``plan`` with what a rank holds under ``cfg`` instead, and the model a micro-step of ``cfg`` computes with."""
     precision = precision_of(cfg, plan.device)
-    built = FakeModel(config, cfg.model, precision, compiled=cfg.trainer.compile)
+    built = FakeModel(config, cfg.model, precision, compiled=cfg.trainer.compile, objective=cfg.objective)
     accumulation = grad_accum_steps or _accumulation(cfg, plan.world_size)
     held = held_memory(built, cfg, plan.world_size, accumulation, plan.device, precision)
     other = dataclasses.replace(plan, strategy=cfg.parallel.strategy.value, **_held_fields(held))
@@ -249,7 +250,8 @@ def _batch_levers(
         smaller = dataclasses.replace(spec, max_tokens_per_batch=half, grad_accum_steps=spec.grad_accum_steps * 2)
         found.append(_replanned(accumulating, model, data, smaller, f"data.max_tokens_per_batch={half}{accumulate}"))
     shorter = d.max_length // 2
-    if shorter >= 16 and max(data.train["length"]) > shorter:
+    # A pair's prompt is cut before its replies: its rows under a shorter data.max_length are not these rows cut.
+    if shorter >= 16 and max(data.train["length"]) > shorter and cfg.objective.name != Objective.dpo:
         found.append(_replanned(plan, model, data, spec, f"data.max_length={shorter}", max_length=shorter))
     return found
 

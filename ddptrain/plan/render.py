@@ -16,6 +16,8 @@ def _gib(n: int) -> str:
 def _shape(step: StepPeak) -> str:
     s = step.candidate.shape
     layout = f"1 packed row of {s.width} tokens" if s.packed else f"{s.rows} x {s.width} tokens"
+    if s.pairs:
+        layout = f"{s.pairs} pairs, their chosen and rejected sequences {layout}"
     return f"{layout}, {s.targets} trained ({step.candidate.where})"
 
 

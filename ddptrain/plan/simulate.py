@@ -31,9 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from ddptrain.config import Attention, DType, ModelConfig
+from ddptrain.config import Attention, DType, ModelConfig, Objective, ObjectiveConfig, Reference
 from ddptrain.model import CausalLMLoss, apply_gradient_checkpointing, apply_lora
 from ddptrain.model.precision import TORCH_DTYPES
+from ddptrain.model.preference import PreferenceLoss
 from ddptrain.plan.flash import PLANNED_FLASH
 
 
@@ -46,6 +47,7 @@ class BatchShape:
     targets: int  # positions whose next label is trained on: the LM head's rows
     padded: bool = True  # some row is shorter than the width: transformers builds a padding mask
     packed: bool = False  # samples concatenated, positions restarting: a block-diagonal mask
+    pairs: int = 0  # objective=dpo: the preference pairs, whose chosen then rejected sequences are the rows
 
     @property
     def tokens(self) -> int:
@@ -65,11 +67,19 @@ class FakeModel:
     layers are simulated and every figure is carried on linearly to the model's own depth (decoder layers repeat one
     structure; simulating 28 layers of a 7B model takes ten times as long and gives the same bytes). ``compiled``: the
     run compiles the model (trainer.compile), under which transformers builds the attention mask whatever the
-    padding (``_masks_as_the_run_builds_them``)."""
+    padding (``_masks_as_the_run_builds_them``). ``objective``: objective=dpo steps DPO's loss module, whose
+    adapter-off reference forward (objective.reference=adapter_off) runs between the policy's forward and backward."""
 
-    def __init__(self, config: PretrainedConfig, cfg: ModelConfig, precision: DType, compiled: bool = False):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        cfg: ModelConfig,
+        precision: DType,
+        compiled: bool = False,
+        objective: ObjectiveConfig | None = None,
+    ):
         self.layers = config.num_hidden_layers
-        depth = functools.partial(_FakeDepth, cfg=cfg, precision=precision, compiled=compiled)
+        depth = functools.partial(_FakeDepth, cfg=cfg, precision=precision, compiled=compiled, objective=objective)
         self.cut = [depth(_cut_to(config, n)) for n in (2, 3)] if self.layers > 3 else []
         self.whole = None if self.cut else depth(config)
 
@@ -125,18 +135,27 @@ def _cut_to(config: PretrainedConfig, layers: int) -> PretrainedConfig:
 class _FakeDepth:
     """The run's loss module (``CausalLMLoss``) on fake tensors at one depth, stepped for any batch shape."""
 
-    def __init__(self, config: PretrainedConfig, cfg: ModelConfig, precision: DType, compiled: bool = False):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        cfg: ModelConfig,
+        precision: DType,
+        compiled: bool = False,
+        objective: ObjectiveConfig | None = None,
+    ):
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.compiled = compiled
         self.precision = precision
-        self.module = _fake_loss_module(config, cfg, self.mode)
+        self.module = _fake_loss_module(config, cfg, self.mode, objective)
+        # A precomputed reference comes with the batch: no reference forward in the step.
+        self.reference_in_batch = objective is not None and objective.reference == Reference.precomputed
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
         self._parameter_storages = {_storage_key(p) for p in self.module.parameters()}
 
     def step(self, shape: BatchShape) -> StepMemory:
         """Forward and backward of one micro-batch of ``shape``, counted (see the module's docstring)."""
         with self.mode, _masks_as_the_run_builds_them(shape, self.compiled):
-            batch = _fake_batch(shape)
+            batch = _fake_batch(shape, self.reference_in_batch)
             # The gradients' buffers exist before the step (DDP's buckets): counted with the parameters, not here.
             for p in self.trainable:
                 p.grad = torch.zeros_like(p)
@@ -154,7 +173,7 @@ class _FakeDepth:
     def forward_peak(self, shape: BatchShape) -> int:
         """The most bytes alive at once in a forward pass without gradients (evaluation)."""
         with self.mode, torch.no_grad(), _masks_as_the_run_builds_them(shape, self.compiled):
-            batch = _fake_batch(shape)
+            batch = _fake_batch(shape, self.reference_in_batch)
             live = LiveBytes(ignore=self._parameter_storages)
             with live, self._autocast():
                 self.module.eval_sums(**batch)
@@ -176,7 +195,9 @@ class _FakeDepth:
         return torch.autocast("cpu", dtype=TORCH_DTYPES[self.precision])
 
 
-def _fake_loss_module(config: PretrainedConfig, cfg: ModelConfig, mode: FakeTensorMode) -> CausalLMLoss:
+def _fake_loss_module(
+    config: PretrainedConfig, cfg: ModelConfig, mode: FakeTensorMode, objective: ObjectiveConfig | None = None
+) -> nn.Module:
     """``model.build_model`` on the meta device, then every parameter and buffer made a fake CPU tensor."""
     attention = Attention(cfg.attn_implementation).value
     if attention == Attention.flash_attention_2:
@@ -189,6 +210,8 @@ def _fake_loss_module(config: PretrainedConfig, cfg: ModelConfig, mode: FakeTens
     if cfg.gradient_checkpointing:
         apply_gradient_checkpointing(model, cfg.gradient_checkpointing_reentrant)
     module = CausalLMLoss(model, cfg.loss_chunk_tokens)
+    if objective is not None and objective.name == Objective.dpo:
+        module = PreferenceLoss(module, objective)
     module.train()
     with mode:
         # One fake per parameter, shared where the model shares it (an LM head tied to the embedding): the weights
@@ -247,14 +270,17 @@ def _torch_before(version: tuple[int, int]) -> bool:
     return (major, minor) < version
 
 
-def _fake_batch(shape: BatchShape) -> dict[str, torch.Tensor]:
-    """What the collator hands the model for a micro-batch of ``shape``, as fake tensors (call inside the mode)."""
+def _fake_batch(shape: BatchShape, reference_in_batch: bool = False) -> dict[str, torch.Tensor]:
+    """What the collator hands the model for a micro-batch of ``shape``, as fake tensors (call inside the mode);
+    ``reference_in_batch``: pairs carry their precomputed reference log-probabilities."""
     size = (shape.rows, shape.width)
     batch = {
         "input_ids": torch.zeros(size, dtype=torch.long),
         "labels": torch.zeros(size, dtype=torch.long),
         "target_index": torch.zeros(shape.targets, dtype=torch.long),
     }
+    if shape.pairs and reference_in_batch:
+        batch["reference_logps"] = torch.zeros(shape.rows)
     if shape.packed:
         batch["position_ids"] = torch.zeros(size, dtype=torch.long)
     else:  # the collator's mask, padded or not (whether it is materialised: _masks_as_the_run_builds_them)

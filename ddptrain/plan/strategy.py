@@ -75,7 +75,8 @@ def step_model(model: FakeModel, config: PretrainedConfig, cfg: RunConfig, preci
     dtype = param_dtype(cfg, precision)
     if cfg.parallel.strategy != Strategy.fsdp2 or dtype is None or dtype == cfg.model.dtype:
         return model
-    return FakeModel(config, dataclasses.replace(cfg.model, dtype=dtype), precision, compiled=cfg.trainer.compile)
+    changed = dataclasses.replace(cfg.model, dtype=dtype)
+    return FakeModel(config, changed, precision, compiled=cfg.trainer.compile, objective=cfg.objective)
 
 
 def held_memory(

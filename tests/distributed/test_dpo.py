@@ -22,12 +22,21 @@ DPO = ["objective=dpo", "data=tiny_preference", "trainer.progress_bar=false", "p
 REWARDS = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "logps_chosen", "logps_rejected")
 
 
-def test_a_dpo_run_starts_at_ln2_logs_its_rewards_and_learns_the_held_out_pairs(tmp_path: Path) -> None:
+LEARNS = [*DPO, "trainer.log_every_n_steps=1", "trainer.max_steps=12", "trainer.eval_every_n_steps=6"]
+
+
+@pytest.fixture(scope="module")
+def adapter_off_run(tmp_path_factory) -> Path:
+    """12 steps of 16 pairs, evaluated at 6 and 12, the reference being the adapter switched off (the default)."""
+    run = tmp_path_factory.mktemp("dpo") / "adapter-off"
+    return train_in_process(run, [*LEARNS, "trainer.best_metric=eval_rewards_accuracy"])
+
+
+def test_a_dpo_run_starts_at_ln2_logs_its_rewards_and_learns_the_held_out_pairs(adapter_off_run: Path) -> None:
     """From a fresh adapter (lora_B = 0) the policy is its reference: the first step's loss is ln 2 and every reward
     0. After 12 steps (of 16 pairs) the held-out pairs' chosen reply gets the higher reward in at least 90% of them,
     and the best adapter kept is the one evaluated best by that share."""
-    overrides = ["trainer.log_every_n_steps=1", "trainer.max_steps=12", "trainer.eval_every_n_steps=6"]
-    run = train_in_process(tmp_path / "dpo", [*DPO, *overrides, "trainer.best_metric=eval_rewards_accuracy"])
+    run = adapter_off_run
     records = read_metrics(run)
     steps = [r for r in records if "rewards_chosen" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
@@ -44,6 +53,75 @@ def test_a_dpo_run_starts_at_ln2_logs_its_rewards_and_learns_the_held_out_pairs(
     best = json.loads((run / "best" / "best.json").read_text())
     assert best["metric"] == "eval_rewards_accuracy"
     assert best["eval_rewards_accuracy"] == max(r["eval_rewards_accuracy"] for r in evals)
+
+
+def _first_step(run: Path) -> dict:
+    return next(r for r in read_metrics(run) if "rewards_chosen" in r)
+
+
+def test_a_precomputed_reference_gives_the_adapter_off_losses_and_is_read_back_from_its_cache(
+    adapter_off_run: Path, tmp_path: Path
+) -> None:
+    """objective.reference=precomputed, the same run otherwise: the first step at ln 2 with every reward 0, and every
+    step's loss, rewards and evaluation within 1e-6 of the adapter-off run's. Its table is cached: a run of the same
+    data and model reads it (a table edited on disk, the chosen replies' reference lowered by 1, shows in the first
+    step's chosen reward: β x 1), and a run of another base model (another random start) computes its own."""
+    cache = [f"data.cache_dir={tmp_path / 'cache'}"]
+    precomputed = [*LEARNS, "objective.reference=precomputed", *cache]
+    run = train_in_process(tmp_path / "precomputed", [*precomputed, "trainer.best_metric=eval_rewards_accuracy"])
+    first = _first_step(run)
+    assert abs(first["loss"] - math.log(2)) <= 1e-6, first["loss"]
+    assert first["rewards_chosen"] == first["rewards_rejected"] == first["rewards_margin"] == 0.0
+    compared = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "eval_loss", "eval_rewards_accuracy")
+    ours, theirs = ([r for r in read_metrics(x) if {"loss", "eval_loss"} & set(r)] for x in (run, adapter_off_run))
+    pairs = list(zip(ours, theirs))
+    assert len(ours) == len(theirs) == 14 and all(a["step"] == b["step"] for a, b in pairs)
+    for a, b in pairs:
+        for key in compared:
+            if key in b:
+                assert abs(a[key] - b[key]) <= 1e-6, f"step {b['step']} {key}: {a[key]} against {b[key]}"
+    tables = sorted((tmp_path / "cache").rglob("reference-logps-*.pt"))
+    assert len(tables) == 2, "the train and the eval set's"
+    train_table = max(tables, key=lambda p: torch.load(p).shape[0])
+    table = torch.load(train_table)
+    assert table.shape == (538, 2) and (table < 0).all()
+    table[:, 0] -= 1.0
+    torch.save(table, train_table)
+    one_step = [*DPO, "objective.reference=precomputed", *cache, "trainer.max_steps=1", "trainer.eval_every_n_steps=0"]
+    edited = _first_step(train_in_process(tmp_path / "cached", [*one_step, "trainer.save_final=false"]))
+    assert edited["rewards_chosen"] == pytest.approx(0.1, abs=1e-6) and edited["rewards_rejected"] == 0.0
+    other = [*one_step, "trainer.save_final=false", "model.attn_implementation=eager"]
+    assert _first_step(train_in_process(tmp_path / "eager", other))["rewards_chosen"] == 0.0, "its own reference"
+    assert len(list((tmp_path / "cache").rglob("reference-logps-*.pt"))) == 4
+
+
+def test_dpo_after_sft_trains_a_new_adapter_on_the_sft_model_which_is_its_reference(tmp_path: Path) -> None:
+    """An SFT run's adapter as model.base_adapter: the DPO run's base (written to <run>/base, which its adapter names)
+    is the SFT run's base with that adapter merged, as peft merges it, and differs from the SFT run's base; the
+    policy starts as its reference, that SFT model (loss ln 2, rewards 0), although the SFT adapter moved the
+    replies' log-probabilities; and the run's saves pass their load check onto that base."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    common = ["trainer.progress_bar=false", "parallel.timeout_s=60", "trainer.log_every_n_steps=1"]
+    sft = train_in_process(tmp_path / "sft", [*common, "trainer.max_steps=4", "data.max_rows=64", "optim.lr=2e-2"])
+    base = ["model.init=pretrained", f"model.name_or_path={sft / 'base'}"]
+    short = [*DPO, *common, *base, "trainer.max_steps=1", "data.max_rows=32", "trainer.save_check=final"]
+    plain = _first_step(train_in_process(tmp_path / "plain", short))
+    dpo = train_in_process(tmp_path / "dpo", [*short, f"model.base_adapter={sft / 'adapter'}"])
+    first = _first_step(dpo)
+    assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["rewards_margin"] == 0.0, first
+    assert abs(first["logps_chosen"] - plain["logps_chosen"]) > 1.0, "the SFT adapter moved the replies"
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft / "base"), sft / "adapter")
+    expected = merged.merge_and_unload().state_dict()
+    written = load_file(dpo / "base" / "model.safetensors")
+    original = load_file(sft / "base" / "model.safetensors")
+    assert any(not torch.equal(original[k], written[k]) for k in written), "the base is the SFT run's, merged"
+    for key, value in written.items():
+        assert torch.equal(value, expected[key]), key
+    adapter_config = json.loads((dpo / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((dpo / "base").resolve())
 
 
 def test_the_pairs_loss_is_the_same_on_2_ranks_as_on_1_rank_with_accumulation(tmp_path: Path) -> None:

@@ -77,9 +77,28 @@ TOLERANCE = 0.15  # what the plan claims for each rank's peak (issue 24): twice 
 REPORTED_TOLERANCE = 0.10
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def pair_rows(path: Path, words: list[tuple[int, int]], seed: int) -> Path:
+    """Preference pairs (objective=dpo), one per range in ``words``: a prompt of a quarter of the range's words and
+    two replies of a random number of words in it (each sequence about 2 tokens a word, cut at data.max_length)."""
+    vocabulary = "red blue green river stone music window garden silver paper light north quiet bridge".split()
+    draw = random.Random(seed)
+
+    def text(low: int, high: int) -> str:
+        return " ".join(draw.choices(vocabulary, k=draw.randint(low, high)))
+
+    rows = [{"prompt": text(lo // 4, hi // 4), "chosen": text(lo, hi), "rejected": text(lo, hi)} for lo, hi in words]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+DPO = ["objective=dpo", "data.template=preference"]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "objective"), [("ddp", []), ("fsdp2", []), ("ddp", DPO)], ids=["ddp", "fsdp2", "dpo"]
+)
 def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_within_15_percent(
-    tmp_path, strategy
+    tmp_path, strategy, objective
 ) -> None:
     """A 2-rank run of a 5-layer model with a 16k vocabulary and the LM head unchunked (model.loss_chunk_tokens=0):
     its (targets x vocabulary) fp32 logits and their gradients make the transients (what the step holds beyond
@@ -98,6 +117,7 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     halves = [LONG] * MICRO_BATCH + [SHORT] * MICRO_BATCH
+    rows = pair_rows if objective else text_rows  # objective=dpo: 4 pairs a rank, 8 sequences
     cfg = compose_config(
         [
             "parallel=ddp2",
@@ -105,9 +125,10 @@ def test_the_plan_predicts_the_peak_a_step_and_an_evaluation_add_on_each_rank_wi
             f"model.name_or_path={five_layer_qwen2(tmp_path / 'five-layers', vocab_size=16384)}",
             "model.loss_chunk_tokens=0",  # the whole (targets x vocabulary) logits at once: large transients
             "parallel.timeout_s=120",
-            f"data.path={text_rows(tmp_path / 'train.jsonl', halves, seed=0)}",
-            f"data.eval_path={text_rows(tmp_path / 'eval.jsonl', halves, seed=1)}",
+            f"data.path={rows(tmp_path / 'train.jsonl', halves, seed=0)}",
+            f"data.eval_path={rows(tmp_path / 'eval.jsonl', halves, seed=1)}",
             "data.template=text",
+            *objective,
             "data.max_length=1024",
             f"data.micro_batch_size={MICRO_BATCH}",
             "data.batching=length_grouped",

@@ -184,3 +184,14 @@ def test_the_save_check_benchmark_sets_the_checks_of_a_run_beside_its_steps(caps
     checked, plain = (save_check.save_seconds("tiny_qwen2", mode, 1) for mode in ("every", "off"))
     assert checked["evaluation check"] > 0 and checked["end check"] > 0 and checked["merged weights"] > 0
     assert plain["evaluation check"] == plain["end check"] == 0 and plain["merged weights"] is None
+
+
+def test_the_dpo_reference_benchmark_times_both_references_and_the_table(capsys) -> None:
+    """Both references run (the real command line, 1 warm-up step and 1 measured); the precomputed run's table time
+    comes from its log, and adapter_off has none."""
+    from ddptrain.bench import dpo_reference
+
+    dpo_reference.main(["--repeats", "1", "--steps", "1", "--warmup", "1", "parallel.start_method=forkserver"])
+    table = {row[0]: row for row in table_rows(capsys.readouterr().out)}
+    assert set(table) == {"adapter_off", "precomputed"}
+    assert table["adapter_off"][3] == "–" and float(table["precomputed"][3]) > 0, table

@@ -139,11 +139,13 @@ def test_pairs_collate_as_the_chosen_rows_then_the_rejected_and_count_as_pairs()
         (["objective=dpo"], "objective=dpo trains on pairs: set data.template=preference"),
         (["data=tiny_preference"], "objective=sft cannot train"),
         (["objective=dpo", "data=tiny_preference", "data.batching=packed"], "not packed"),
-        (["objective=dpo", "data=tiny_preference", "model.lora=false"], "needs model.lora=true"),
+        (
+            ["objective=dpo", "data=tiny_preference", "model.lora=false"],
+            "needs model.lora=true: for a full fine-tune set objective.reference=precomputed",
+        ),
         (["objective=dpo", "data=tiny_preference", "objective.beta=0"], "objective.beta=0.0 must be positive"),
         (["objective=dpo", "data=tiny_preference", "trainer.best_metric=eval_accuracy"], "not measured under"),
         (["trainer.best_metric=eval_rewards_accuracy"], "not measured under objective=sft"),
-        (["objective=dpo", "data=tiny_preference", "plan.at_start=true"], "does not price objective=dpo yet"),
         (
             ["objective=dpo", "data=tiny_preference", "data.batching=token_budget", "data.max_tokens_per_batch=300"],
             r"cannot hold a pair at data.max_length=256 \(two sequences: 512 tokens\)",
@@ -158,16 +160,49 @@ def test_the_objective_group_refuses_what_it_cannot_train(overrides, message) ->
 def test_the_bundled_preference_data_makes_a_valid_dpo_run() -> None:
     cfg = compose_config(["objective=dpo", "data=tiny_preference", "trainer.best_metric=eval_rewards_accuracy"])
     assert cfg.objective.beta == 0.1 and cfg.data.template == Template.preference
+    full = compose_config(
+        ["objective=dpo", "data=tiny_preference", "objective.reference=precomputed", "model.lora=false"]
+    )
+    assert not full.model.lora, "a full fine-tune trains against its precomputed reference"
 
 
-def test_the_memory_plan_says_it_does_not_price_dpo_rather_than_mispricing_it(capsys) -> None:
+def test_a_batch_of_pairs_carries_their_precomputed_reference_in_the_order_of_its_rows() -> None:
+    pairs = [
+        {"input_ids": [1, 2], "labels": [-100, 2], "rejected_input_ids": [1, 4], "rejected_labels": [-100, 4]},
+        {"input_ids": [5, 6], "labels": [-100, 6], "rejected_input_ids": [5, 7], "rejected_labels": [-100, 7]},
+    ]
+    for pair, logps in zip(pairs, ([-1.5, -2.5], [-3.5, -4.5])):
+        pair["reference_logps"] = logps
+    batch = Collator(pad_id=0, pad_to_multiple_of=1)([[p] for p in pairs])
+    assert batch["input_ids"][:, 1].tolist() == [2, 6, 4, 7], "chosen rows, then rejected"
+    assert batch["reference_logps"].tolist() == [-1.5, -3.5, -2.5, -4.5]
+
+
+def test_the_memory_plan_prices_each_micro_batch_of_pairs_as_the_collator_builds_it(capsys, tmp_path) -> None:
+    """Every rank's costliest micro-batch the plan simulates, and the eval set's, is the batch the collator makes of
+    its pairs: as many rows (both sequences of each pair), as wide, as many trained positions, padded or not; and
+    ``ddptrain plan`` prices a DPO run."""
+    from ddptrain.data import RowsDataset, build_batching_spec, build_collator, build_datasets
     from ddptrain.plan.__main__ import main as plan
     from ddptrain.plan.at_start import wanted
+    from ddptrain.plan.batches import eval_candidate, training_candidates
 
     dpo = ["objective=dpo", "data=tiny_preference", "plan.device_memory_gb=80", "trainer.device=cpu"]
-    assert wanted(compose_config(dpo[2:])) and not wanted(compose_config(dpo)), "no plan at a DPO run's start"
-    assert plan(dpo) == 2
-    assert "does not price objective=dpo yet" in capsys.readouterr().err
+    cfg = compose_config([*dpo, f"data.cache_dir={tmp_path}"])
+    data = build_datasets(cfg.data, tiny_tokenizer(), cfg.trainer.seed)
+    spec = build_batching_spec(cfg.data, 2, 1, cfg.trainer.seed)
+    candidates = [*training_candidates(data, spec, epochs=2), eval_candidate(data, cfg.data.micro_batch_size, 2, spec)]
+    collate = build_collator(cfg.data, pad_id=0)
+    for candidate in candidates:
+        rows = RowsDataset(data.eval if candidate.where == "eval" else data.train)
+        batch = collate([rows[(i,)] for i in candidate.samples])
+        shape = candidate.shape
+        assert (shape.rows, shape.width) == tuple(batch["input_ids"].shape), candidate.where
+        assert shape.targets == batch["target_index"].numel() and shape.pairs == loss_units(batch)
+        assert shape.padded == bool((batch["attention_mask"] == 0).any())
+    assert wanted(compose_config(dpo)), "a DPO run plans at its start where it has a device size"
+    assert plan([*dpo, "--no-levers"]) == 0
+    assert "8 pairs, their chosen and rejected sequences 16 x 256 tokens" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -230,3 +265,18 @@ def test_an_eval_prompt_renders_as_the_pairs_were_trained(tmp_path) -> None:
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert renderer.text({"messages": messages}) == expected
     assert tokenizer.convert_tokens_to_ids("<|eot_id|>") in renderer.stop_ids()
+
+
+def test_a_base_adapter_must_be_an_adapter_trained_on_the_runs_model(tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"holds no adapter_config\.json: name a LoRA adapter folder"):
+        compose_config([f"model.base_adapter={tmp_path / 'empty'}"])
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/elsewhere"}))
+    expected = r"was trained on /elsewhere, .* set model.name_or_path=/elsewhere model.init=pretrained"
+    with pytest.raises(ConfigError, match=expected):
+        compose_config([f"model.base_adapter={adapter}"])
+    with pytest.raises(ConfigError, match=r"use parallel\.strategy=ddp, not fsdp2"):
+        compose_config(["model.init=pretrained", "model.name_or_path=/elsewhere", f"model.base_adapter={adapter}",
+                        "parallel.strategy=fsdp2"])  # fmt: skip
