@@ -59,6 +59,9 @@ class SourceConfig:
     role_field: Optional[str] = None
     content_field: Optional[str] = None
     text_field: Optional[str] = None
+    prompt_field: Optional[str] = None
+    chosen_field: Optional[str] = None
+    rejected_field: Optional[str] = None
 
 
 @dataclass

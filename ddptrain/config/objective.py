@@ -11,7 +11,6 @@ from enum import Enum
 
 from ddptrain.config.data import Batching, DataConfig, Template
 from ddptrain.config.model import ModelConfig
-from ddptrain.config.parallel import ParallelConfig, Strategy
 from ddptrain.config.trainer import EVAL_METRICS, TrainerConfig
 from ddptrain.data.batch_cost import round_up
 
@@ -56,9 +55,7 @@ MEASURED = {
 }
 
 
-def _check_objective(
-    o: ObjectiveConfig, d: DataConfig, m: ModelConfig, p: ParallelConfig, t: TrainerConfig
-) -> list[str]:
+def _check_objective(o: ObjectiveConfig, d: DataConfig, m: ModelConfig, t: TrainerConfig) -> list[str]:
     problems = []
     if t.best_metric in EVAL_METRICS and t.best_metric not in MEASURED[o.name]:
         problems.append(
@@ -76,10 +73,15 @@ def _check_objective(
         problems.append(f"objective.beta={o.beta} must be positive (DPO's usual value is 0.1).")
     if o.sft_weight < 0:
         problems.append(f"objective.sft_weight={o.sft_weight} must be 0 (off) or positive.")
-    if d.template != Template.preference or d.sources:
+    if not d.sources and d.template != Template.preference:
         problems.append(
-            "objective=dpo trains on pairs: set data.template=preference (rows with prompt, chosen and rejected; "
-            "data.sources mixtures are not supported for it yet)."
+            "objective=dpo trains on pairs: set data.template=preference (rows with prompt, chosen and rejected)."
+        )
+    others = [str(k) for k, s in enumerate(d.sources) if (s.template or d.template) != Template.preference]
+    if others:
+        problems.append(
+            f"objective=dpo trains on pairs, but data.sources {', '.join(others)} are not: set "
+            "data.template=preference for every source, or data.sources[k].template=preference on each."
         )
     pair = 2 * round_up(d.max_length, max(d.pad_to_multiple_of, 1))  # a pair at data.max_length: two sequences
     if d.batching == Batching.token_budget and d.max_tokens_per_batch < pair:
@@ -98,8 +100,6 @@ def _check_objective(
             "full fine-tune set objective.reference=precomputed (the base's log-probabilities, computed before "
             "training)."
         )
-    if p.strategy != Strategy.ddp:
-        problems.append(f"objective=dpo runs under parallel.strategy=ddp only so far, not {p.strategy.value}.")
     if t.compile:
         problems.append("objective=dpo does not compile yet: set trainer.compile=false.")
     return problems

@@ -56,7 +56,7 @@ def validate(cfg: RunConfig) -> None:
         + _check_trainer(cfg.trainer)
         + _check_loggers(cfg.logger)
         + _check_plan(cfg.plan)
-        + _check_objective(cfg.objective, cfg.data, cfg.model, cfg.parallel, cfg.trainer)
+        + _check_objective(cfg.objective, cfg.data, cfg.model, cfg.trainer)
     )
     if problems:
         raise ConfigError(problems)

@@ -100,11 +100,20 @@ class PreferenceLoss(nn.Module):
         attention_mask: torch.Tensor | None = None,
         target_index: torch.Tensor | None = None,
         reference_logps: torch.Tensor | None = None,
+        reference_only: bool = False,
         **_: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """The pairs' loss sum and their count; ``reference_only``: the reference's reply log-probabilities alone
+        (objective.reference=precomputed's table, ``model/reference.py``), through forward so that a sharded
+        model's root gathers its weights as in a step."""
+        if reference_only:
+            return self.reference_logps(input_ids, labels, attention_mask, target_index)
         losses, shown, tokens = self.pair_losses(input_ids, labels, attention_mask, target_index, reference_logps)
         counts = torch.stack([torch.tensor(float(len(losses)), device=losses.device), tokens.sum()])
         sums = torch.cat([counts, torch.stack([value.sum() for value in shown.values()])]).double()
+        # As the log window counts a loss (trainer.on_nonfinite): a micro-batch whose values are not finite is left
+        # out, pairs and all, or one NaN would make the window's rewards NaN. On the device: no wait.
+        sums = torch.where(torch.isfinite(sums).all(), sums, torch.zeros_like(sums))
         self.window_sums = sums if self.window_sums is None else self.window_sums + sums
         return losses.sum(), torch.tensor(len(losses))
 

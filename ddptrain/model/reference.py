@@ -97,13 +97,17 @@ def reference_table(
     this rank's share computed (``eval_batch_plan``), every rank's summed (a collective)."""
     table = torch.zeros(len(rows), 2, dtype=torch.float64)
     dataset = RowsDataset(rows)
-    for indices in eval_batch_plan(rows["length"], micro_batch_size, env.world_size)[env.rank]:
-        batch = {k: v.to(env.device) for k, v in collate([dataset[(i,)] for i in indices]).items()}  # tensors only
-        with autocast(precision, env.device):
-            logps = loss_module.reference_logps(
-                batch["input_ids"], batch["labels"], batch["attention_mask"], batch["target_index"]
-            )
-        table[indices] = logps.double().cpu().view(2, -1).T  # chosen rows, then rejected rows
+    plan = eval_batch_plan(rows["length"], micro_batch_size, env.world_size)  # every rank's: the same on each
+    mine = plan[env.rank]
+    # FSDP2: each forward all-gathers every layer from every rank, so a rank with fewer batches repeats one, unused.
+    rounds = max(len(batches) for batches in plan) if parallel.is_sharded(loss_module) else len(mine)
+    for k in range(rounds):
+        indices = mine[k] if k < len(mine) else (mine or plan[0])[-1]
+        batch = {key: t.to(env.device) for key, t in collate([dataset[(i,)] for i in indices]).items()}
+        with autocast(precision, env.device):  # the loss module's forward: FSDP2 gathers its root's weights there
+            logps = loss_module(**batch, reference_only=True)
+        if k < len(mine):
+            table[indices] = logps.double().cpu().view(2, -1).T  # chosen rows, then rejected rows
     return parallel.all_reduce_sum(table.to(env.device)).cpu()
 
 

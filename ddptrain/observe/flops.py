@@ -203,6 +203,7 @@ class ModelFlops:
     attention_backward: int
     head_forward: int
     head_backward: int
+    base_linear_forward: int = 0  # per token, the projections without their adapters: DPO's adapter-off reference
 
     @classmethod
     def from_model(cls, loss_module: nn.Module) -> ModelFlops:
@@ -225,12 +226,13 @@ class ModelFlops:
         shapes = _projection_shapes(d, heads, config.num_key_value_heads, head_dim, config.intermediate_size)
         seen: set[nn.Module] = set()
         grad = decoder.get_input_embeddings().weight.requires_grad  # a full fine-tune trains the embedding
-        totals = [0, 0, 0, 0]
+        totals, base = [0, 0, 0, 0], 0
         for index, module in enumerate(decoder.layers):
             layer = Layer(**{k: _projection(module, index, k, shapes[k], seen) for k in PROJECTION_PATHS})
             flops = layer_flops(layer, grad, heads, head_dim)
             parts = (flops.linear_forward, flops.linear_backward, flops.attention_forward, flops.attention_backward)
             totals = [t + p for t, p in zip(totals, parts)]
+            base += sum(2 * p.in_features * p.out_features for p in layer.projections())
             grad = flops.output_needs_grad
         _check_adapters_counted(loss_module, seen)
         head = loss_module.lm_head.weight
@@ -238,10 +240,12 @@ class ModelFlops:
             raise ValueError(f"flops: the LM head is {tuple(head.shape)}, not (vocab_size, hidden_size).")
         head_flops = 2 * d * config.vocab_size
         # The head's input gradient flows into the trainable layers; its weight gradient only in a full fine-tune.
-        return cls(*totals, head_flops, head_flops * (grad + head.requires_grad))
+        return cls(*totals, head_flops, head_flops * (grad + head.requires_grad), base)
 
     def forward_backward_flops(self, batch: dict[str, Any]) -> tuple[int, int]:
-        """Model FLOPs of one collated micro-batch's forward and of its backward.
+        """Model FLOPs of one collated micro-batch's forward and of its backward. A batch of preference pairs
+        without their reference log-probabilities (objective=dpo, objective.reference=adapter_off) adds the
+        reference's forward to the forward's: the work the step does.
 
         Args:
             batch: the collator's CPU tensors (padded, or packed with position_ids).
@@ -258,6 +262,12 @@ class ModelFlops:
             + n.squared_lengths * self.attention_backward
             + n.targets * self.head_backward
         )
+        if "pairs" in batch and "reference_logps" not in batch:  # DPO's reference ran: the base, adapters off
+            forward += (
+                n.tokens * self.base_linear_forward
+                + n.squared_lengths * self.attention_forward
+                + n.targets * self.head_forward
+            )
         return forward, backward
 
     def batch_flops(self, batch: dict[str, Any]) -> int:

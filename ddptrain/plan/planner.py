@@ -174,8 +174,7 @@ def levers(
         )
     # Sharding is slower than a replica (a layer's weights all-gathered in forward and again in backward): named only
     # where the replica does not fit.
-    replicas = p.strategy == Strategy.ddp and cfg.objective.name != Objective.dpo  # DPO: not under fsdp2 yet
-    if replicas and plan.world_size > 1 and plan.fits is False:
+    if p.strategy == Strategy.ddp and plan.world_size > 1 and plan.fits is False and not cfg.model.base_adapter:
         note = f"each rank 1/{plan.world_size} of the weights, gradients and AdamW states; layers gathered per use"
         found.append(_parallel_lever(plan, cfg, config, "parallel.strategy=fsdp2", note, strategy=Strategy.fsdp2))
     if p.strategy == Strategy.fsdp2 and not p.reshard_after_forward:

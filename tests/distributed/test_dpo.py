@@ -124,23 +124,49 @@ def test_dpo_after_sft_trains_a_new_adapter_on_the_sft_model_which_is_its_refere
     assert adapter_config["base_model_name_or_path"] == str((dpo / "base").resolve())
 
 
-def test_the_pairs_loss_is_the_same_on_2_ranks_as_on_1_rank_with_accumulation(tmp_path: Path) -> None:
-    """2 ranks x 1 micro-step of 4 pairs and 1 rank x 2 micro-steps of 3 and 5 pairs over the same 5 global batches
-    of 8 pairs: every trainable parameter within 1e-5 (fp32). A loss averaged per micro-batch would weigh the 3
-    pairs' more than the 5 pairs' and differ."""
+def test_a_weighted_mixture_of_preference_sources_trains_each_pair_against_its_own_reference(tmp_path: Path) -> None:
+    """Two preference sources weighted 3:1 (each epoch draws rows of their concatenation, not in order) against a
+    precomputed reference: the first step's loss is ln 2 and every reward 0, which holds only if every drawn pair
+    carries its own row's reference values."""
+    from tests.unit.test_preference import preference_mixture
+
+    overrides = [*preference_mixture(tmp_path), "objective.reference=precomputed", "trainer.max_steps=2"]
+    overrides.append(f"data.cache_dir={tmp_path / 'cache'}")  # the reference computed here, not read
+    run = train_in_process(tmp_path / "mixture", [*DPO[2:], *overrides, "trainer.log_every_n_steps=1"])
+    first = _first_step(run)
+    assert abs(first["loss"] - math.log(2)) <= 1e-6 and first["rewards_chosen"] == first["rewards_rejected"] == 0.0
+    assert first["pairs"] == 16
+
+
+LAYOUTS = {  # name: ranks, micro-steps, this rank's micro-batches (pairs), overrides
+    "ddp, 2 ranks": (2, 1, [4], []),
+    "ddp, 1 rank x 2 micro-steps": (1, 2, [3, 5], []),
+    "fsdp2, 2 ranks": (2, 1, [4], ["parallel.strategy=fsdp2"]),
+    "fsdp2, 2 ranks, precomputed": (2, 1, [4], ["parallel.strategy=fsdp2", "objective.reference=precomputed"]),
+}
+
+
+def test_the_pairs_loss_is_the_same_on_2_ranks_as_on_1_rank_with_accumulation_and_sharded(tmp_path: Path) -> None:
+    """2 ranks x 1 micro-step of 4 pairs, 1 rank x 2 micro-steps of 3 and 5 pairs, and 2 ranks of a sharded model
+    (parallel.strategy=fsdp2, with either reference) over the same 5 global batches of 8 pairs: every trainable
+    parameter within 1e-5 (fp32). A loss averaged per micro-batch would weigh the 3 pairs' more than the 5 pairs' and
+    differ. The 72 pairs make 9 batches of the precomputed reference's pass, 5 on one rank and 4 on the other: a
+    sharded model's forwards must still pair up across the ranks (each all-gathers every layer)."""
     params = {}
-    for world, accum, sizes in ((2, 1, [4]), (1, 2, [3, 5])):
-        run_dir = tmp_path / f"{world}x{accum}"
+    for name, (world, accum, sizes, overrides) in LAYOUTS.items():
+        run_dir = tmp_path / name.replace(" ", "").replace(",", "-")
         run_dir.mkdir()
         (run_dir / "layout.json").write_text(json.dumps({"accum": accum, "steps": 5, "sizes": sizes}))
-        extra = ["data.eval_fraction=0", "data.max_rows=80", "optim.max_grad_norm=null", "optim.eps=1e-6"]
-        cfg = compose_config([f"parallel.nproc_per_node={world}", f"trainer.output_dir={tmp_path}", *DPO, *extra])
-        launch(cfg, run_dir, entrypoint=train_fixed_layout)
-        params[(world, accum)] = torch.load(run_dir / "params.pt")["params"]
-    got, expected = params[(1, 2)], params[(2, 1)]
+        extra = ["data.eval_fraction=0", "data.max_rows=72", "optim.max_grad_norm=null", "optim.eps=1e-6"]
+        extra.append(f"data.cache_dir={tmp_path / 'cache'}")  # the reference computed here, not read
+        common = [f"parallel.nproc_per_node={world}", f"trainer.output_dir={tmp_path}", *DPO, *extra]
+        launch(compose_config([*common, *overrides]), run_dir, entrypoint=train_fixed_layout)
+        params[name] = torch.load(run_dir / "params.pt")["params"]
+    expected = params.pop("ddp, 2 ranks")
     assert any(v.abs().sum() > 0 for k, v in expected.items() if "lora_B" in k), "the adapter trained"
-    for key, value in expected.items():
-        assert relative_diff(got[key], value) <= 1e-5, f"{key} differs between the layouts"
+    for name, got in params.items():
+        for key, value in expected.items():
+            assert relative_diff(got[key], value) <= 1e-5, f"{key} differs: {name}"
 
 
 @pytest.mark.parametrize(("loss_type", "steps"), [("sigmoid", 10), ("ipo", 3), ("hinge", 3)])

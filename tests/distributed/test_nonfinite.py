@@ -125,6 +125,18 @@ def test_skip_drops_each_poisoned_update_trains_on_and_stops_after_max_skipped_s
         assert_one_late_read_per_plain_step(rank, [2, 3, 5, 6, 7])
 
 
+def test_a_skipped_dpo_step_leaves_its_rewards_out_of_the_log_window(tmp_path) -> None:
+    """objective=dpo, rank 1's policy log-probabilities NaN at step 3, trainer.on_nonfinite=skip: the window of steps
+    1-4 averages the loss and the rewards of the pairs that stayed finite, every other pair: 4 steps x 16 pairs less
+    rank 1's 8 at step 3. Counted as it was, one NaN pair made every reward of the window NaN."""
+    extra = ["objective=dpo", "data=tiny_preference", "trainer.on_nonfinite=skip", "trainer.max_steps=4"]
+    run_dir, _ = diverge(tmp_path, "dpo", steps=[3], extra=extra)
+    (record,) = [r for r in read_metrics(run_dir) if "loss" in r]
+    assert record["skipped_steps"] == 1 and record["pairs"] == 4 * 16 - 8, record
+    rewards = ("rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "logps_chosen")
+    assert all(isinstance(record[k], float) and math.isfinite(record[k]) for k in ("loss", *rewards)), record
+
+
 def test_a_diverged_run_exits_with_its_own_code_naming_the_step_and_the_levers(tmp_path, monkeypatch, capsys) -> None:
     """``launch.run`` in this process, one rank: the first step's loss is NaN; the run exits 65 (not 0, not 1)."""
     from ddptrain.model import CausalLMLoss

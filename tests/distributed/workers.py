@@ -72,6 +72,13 @@ def train_and_record(cfg: RunConfig, run_dir: str, store_port: int) -> None:
         parallel.teardown()
 
 
+def whole(tensors) -> list[torch.Tensor]:
+    """Copies of ``tensors``, each whole: a sharded one (FSDP2's DTensor) gathered from every rank (a collective)."""
+    from torch.distributed.tensor import DTensor
+
+    return [(t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for t in tensors]
+
+
 def train_fixed_layout(cfg: RunConfig, run_dir: str, store_port: int | None) -> None:
     """Train 3 optimizer steps (or layout.json's ``steps``) on fixed global batches of 8 samples (preference pairs
     under objective=dpo), split as layout.json says (ranks x micro-steps; ``sizes``: this rank's micro-batches of
@@ -88,11 +95,9 @@ def train_fixed_layout(cfg: RunConfig, run_dir: str, store_port: int | None) -> 
         collate = Collator(trainer.tokenizer.pad_token_id)
         per_micro = 8 // (env.world_size * accum)
         trainable = {n: p for n, p in trainer.loss_module.named_parameters() if p.requires_grad}
-        grads: list[dict[str, torch.Tensor]] = []
+        grads: list[list[torch.Tensor]] = []
         losses: list[float] = []
-        trainer.optimizer.register_step_pre_hook(
-            lambda *_: grads.append({n: p.grad.detach().clone() for n, p in trainable.items()})
-        )
+        trainer.optimizer.register_step_pre_hook(lambda *_: grads.append(whole(p.grad for p in trainable.values())))
         for step in range(layout.get("steps", 3)):
             global_batch = list(range(step * 8, step * 8 + 8))
             mine = global_batch[env.rank * accum * per_micro : (env.rank + 1) * accum * per_micro]
@@ -102,9 +107,10 @@ def train_fixed_layout(cfg: RunConfig, run_dir: str, store_port: int | None) -> 
             result = trainer.train_step(micro)
             losses.append(float(result.loss_sum) / float(result.target_tokens))  # this rank's mean loss per unit
             trainer.step += 1
+        params = dict(zip(trainable, whole(trainable.values())))  # every rank: FSDP2 gathers each whole
+        by_name = [dict(zip(trainable, step_grads)) for step_grads in grads]
         if env.is_rank_zero:
-            params = {n: p.detach().clone() for n, p in trainable.items()}
-            torch.save({"params": params, "grads": grads, "losses": losses}, Path(run_dir) / "params.pt")
+            torch.save({"params": params, "grads": by_name, "losses": losses}, Path(run_dir) / "params.pt")
     finally:
         parallel.teardown()
 

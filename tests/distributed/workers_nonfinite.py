@@ -65,9 +65,11 @@ def _digest(tensors: list[torch.Tensor]) -> str:
 
 def train_with_nan_loss(cfg: RunConfig, run_dir: str, store_port: int | None) -> Any:
     """The product's worker; on rank ``inject["rank"]``, the training loss of each step in ``inject["steps"]`` is
-    multiplied by NaN, as a loss that overflowed would be: its backward makes that rank's gradients NaN."""
+    multiplied by NaN, as a loss that overflowed would be: its backward makes that rank's gradients NaN. Under
+    objective=dpo the policy's reply log-probabilities are, and with them the loss and the rewards."""
     from ddptrain import launch, parallel
     from ddptrain.model import CausalLMLoss
+    from ddptrain.model.preference import PreferenceLoss
     from ddptrain.trainer import Trainer
 
     inject = json.loads((Path(run_dir) / "inject.json").read_text())
@@ -79,6 +81,7 @@ def train_with_nan_loss(cfg: RunConfig, run_dir: str, store_port: int | None) ->
     reads_at_step_start: list[int] = []
 
     forward, train_step, init = CausalLMLoss.forward, Trainer.train_step, Trainer.__init__
+    reply_logps = PreferenceLoss.reply_logps
     late_values = parallel.LateRead.values
     verdicts_read: dict[int, list[int]] = {}  # by the last step trained when it was read: the steps whose verdict
 
@@ -91,6 +94,13 @@ def train_with_nan_loss(cfg: RunConfig, run_dir: str, store_port: int | None) ->
         if in_step[0] and rank == inject["rank"] and len(trained) in inject["steps"]:
             loss_sum = loss_sum * math.nan
         return loss_sum, n_tokens
+
+    def poisoned_logps(self: PreferenceLoss, *args: Any, **kwargs: Any) -> Any:
+        """objective=dpo: the policy's reply log-probabilities (not the reference's, computed without gradients)."""
+        logps, tokens = reply_logps(self, *args, **kwargs)
+        if in_step[0] and torch.is_grad_enabled() and rank == inject["rank"] and len(trained) in inject["steps"]:
+            logps = logps * math.nan
+        return logps, tokens
 
     def counted_step(self: Trainer, *args: Any, **kwargs: Any) -> Any:
         reads_at_step_start.append(reads.count)
@@ -114,6 +124,7 @@ def train_with_nan_loss(cfg: RunConfig, run_dir: str, store_port: int | None) ->
         self.optimizer.register_step_post_hook(after)
 
     CausalLMLoss.forward, Trainer.train_step, Trainer.__init__ = poisoned, counted_step, recorded_init
+    PreferenceLoss.reply_logps = poisoned_logps
     parallel.LateRead.values = recorded_read
     with reads:
         result = launch.worker(cfg, run_dir, store_port)

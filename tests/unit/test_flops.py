@@ -20,7 +20,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddptrain.config import Attention, Batching, DataConfig, DType, ModelConfig
+from ddptrain.config import Attention, Batching, DataConfig, DType, ModelConfig, Objective, Reference
 from ddptrain.data import RowEncoder, build_collator
 from ddptrain.model import CausalLMLoss, build_model, build_tokenizer
 from ddptrain.observe.flops import ModelFlops, lookup_peak_tflops, peak_tflops
@@ -126,6 +126,23 @@ def test_forward_and_backward_each_match_the_counter(tiny, samples, pad_id):
     counted_forward, counted_backward = counted(model, batch)
     assert_close(forward, counted_forward)
     assert_close(backward, counted_backward)
+
+
+@pytest.mark.parametrize("reference", ["adapter_off", "precomputed"])
+def test_a_batch_of_pairs_counts_the_reference_forward_where_it_runs(tiny, samples, pad_id, reference):
+    """objective=dpo: the counter around DPO's loss module, forward and backward, on an unpadded pair (a sample as
+    both replies): the policy's forward and backward, and the reference's forward (the base, adapters off) only
+    where the batch does not carry its log-probabilities."""
+    from ddptrain.config import ObjectiveConfig
+
+    objective = ObjectiveConfig(name=Objective.dpo, reference=Reference(reference))
+    model = build_model(replace(tiny, loss_chunk_tokens=0), 0, CPU, objective=objective).train()
+    pair = {**samples[0], "rejected_input_ids": samples[0]["input_ids"], "rejected_labels": samples[0]["labels"]}
+    batch = collate([pair], pad_id)
+    assert int(batch["pairs"]) == 1 and bool(batch["attention_mask"].all())
+    if reference == "precomputed":
+        batch["reference_logps"] = torch.zeros(2)
+    assert_close(ModelFlops.from_model(model).batch_flops(batch), sum(counted(model, batch)))
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # peft, on the tied head

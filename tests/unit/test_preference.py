@@ -13,7 +13,7 @@ from ddptrain.config import ConfigError, DataConfig, Template
 from ddptrain.data import IGNORE_INDEX, Collator, loss_units, tokenize_file
 from ddptrain.data.preference import cut_pair
 from ddptrain.model import build_tokenizer
-from tests.conftest import compose_config
+from tests.conftest import REPO, compose_config
 from tests.unit.test_chat_templates import family, target_runs
 
 PROMPT = [
@@ -280,3 +280,42 @@ def test_a_base_adapter_must_be_an_adapter_trained_on_the_runs_model(tmp_path) -
     with pytest.raises(ConfigError, match=r"use parallel\.strategy=ddp, not fsdp2"):
         compose_config(["model.init=pretrained", "model.name_or_path=/elsewhere", f"model.base_adapter={adapter}",
                         "parallel.strategy=fsdp2"])  # fmt: skip
+
+
+def preference_mixture(tmp_path: Path) -> list[str]:
+    """The bundled pairs as a mixture of two sources: the first 300 rows as shipped, the other 300 with their own
+    field names (question / good / bad), weighted 3:1."""
+    rows = [
+        json.loads(line) for line in (REPO / "ddptrain" / "assets" / "tiny_preference.jsonl").read_text().splitlines()
+    ]
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(json.dumps(row) + "\n" for row in rows[:300]))
+    renamed = [{"question": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in rows[300:]]
+    second.write_text("".join(json.dumps(row) + "\n" for row in renamed))
+    sources = (
+        f"[{{path: '{first}', weight: 3}}, "
+        f"{{path: '{second}', weight: 1, prompt_field: question, chosen_field: good, rejected_field: bad}}]"
+    )
+    keep = ["data.max_length=256", "data.micro_batch_size=8", "data.eval_fraction=0.1", "data.template=preference"]
+    return ["objective=dpo", "data=mixture", f"data.sources={sources}", *keep]
+
+
+def test_a_mixture_of_preference_sources_reads_each_with_its_own_fields(tmp_path) -> None:
+    """data.sources under objective=dpo: each source's pairs with its own field names, the same pairs as one file of
+    them all gives, each source's eval share held out; a source of another template is refused."""
+    from ddptrain.data import build_datasets
+
+    mixture = compose_config([*preference_mixture(tmp_path), f"data.cache_dir={tmp_path / 'cache'}"])
+    data = build_datasets(mixture.data, tiny_tokenizer(), mixture.trainer.seed)
+    whole = compose_config(["objective=dpo", "data=tiny_preference", "data.eval_fraction=0"])
+    every = build_datasets(whole.data, tiny_tokenizer(), whole.trainer.seed).train
+    pairs = {(tuple(r["input_ids"]), tuple(r["rejected_input_ids"])) for r in every}
+    mixed = [*data.train, *data.eval]
+    assert (
+        len(mixed) == len(every) and {(tuple(r["input_ids"]), tuple(r["rejected_input_ids"])) for r in mixed} == pairs
+    )
+    assert sorted(set(data.train["source"])) == [0, 1] and sorted(set(data.eval["source"])) == [0, 1]
+    assert data.epoch_rows is not None, "weighted: each epoch draws its mixture"
+    sft_source = "data.sources=[{path: a.jsonl}, {path: b.jsonl, template: alpaca}]"
+    with pytest.raises(ConfigError, match=r"data\.sources 1 are not"):
+        compose_config(["objective=dpo", "data=mixture", "data.template=preference", sft_source])
