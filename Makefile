@@ -9,7 +9,7 @@ TORCH_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test test-quick lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data bench-chat-tokenize bench-memory-plan bench-evaluation bench-strategies bench-dpo-reference gpu-check clean
+.PHONY: setup train test test-quick lint format bench-samplers bench-throughput bench-timing bench-sweep bench-data bench-chat-tokenize bench-memory-plan bench-evaluation bench-strategies bench-dpo-reference bench-dpo-parity gpu-check clean
 
 setup: $(STAMP)
 
@@ -84,6 +84,9 @@ bench-memory-plan: setup  ## the memory plan: Qwen2.5-7B / 0.5B predictions, and
 
 bench-dpo-reference: setup  ## DPO: the adapter-off reference in every step vs one precomputed before training
 	$(BIN)/python -m ddptrain.bench.dpo_reference --repeats 3 --steps 40 --warmup 5
+
+bench-dpo-parity: setup  ## DPO: ddptrain and TRL's DPOTrainer on the same pairs, losses and s/step (trl: dev extra)
+	$(BIN)/python -m ddptrain.bench.dpo_parity --model small --steps 10
 
 bench-evaluation: setup  ## eval on 1 rank vs 2 (the same loss), what the save check costs a save and a run
 	$(BIN)/python -m ddptrain.bench.evaluation --data ../shared/data/alpaca/alpaca_data_52k.jsonl

@@ -174,12 +174,8 @@ def test_ddptrain_and_trls_dpo_trainer_give_the_same_losses(loss_type: str, step
     """TRL's DPOTrainer (a development dependency) and ddptrain, from the same LoRA model and fed the same token ids
     in the same batches of 8 pairs (β 0.1, AdamW at a constant learning rate without warmup, clipping at 1, no
     dropout, fp32): the loss of each step within 1e-4, 10 steps of DPO's sigmoid loss, 3 of IPO's and hinge's."""
-    trl = pytest.importorskip("trl")
-    from datasets import Dataset
-    from torch.utils.data import SequentialSampler
-
-    from ddptrain.data import IGNORE_INDEX
-    from ddptrain.model import build_model, build_tokenizer
+    pytest.importorskip("trl")
+    from ddptrain.bench.dpo_parity import trl_steps  # the benchmark's TRL side, at the tiny size
 
     per_step = 8
     optim = ["optim.scheduler=constant", "optim.warmup_steps=0", "optim.lr=1e-3", "optim.weight_decay=0"]
@@ -191,57 +187,7 @@ def test_ddptrain_and_trls_dpo_trainer_give_the_same_losses(loss_type: str, step
     launch(cfg, run_dir, entrypoint=train_fixed_layout)
     ours = torch.load(run_dir / "params.pt")["losses"]
 
-    # The same pairs, as the prompt's ids and each reply's (everything from the first trained token on).
-    from ddptrain.data import build_datasets
-
-    tokenizer = build_tokenizer(cfg.model)
-    pairs = build_datasets(cfg.data, tokenizer, cfg.trainer.seed).train.select(range(steps * per_step))
-
-    def split(row: dict) -> dict:
-        first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
-        return {
-            "prompt_ids": row["input_ids"][:first],
-            "chosen_ids": row["input_ids"][first:],
-            "rejected_ids": row["rejected_input_ids"][first:],
-        }
-
-    dataset = Dataset.from_list([split(row) for row in pairs])
-    model = build_model(cfg.model, cfg.trainer.seed, torch.device("cpu"), tokenizer).model  # the same LoRA start
-    theirs: list[float] = []
-
-    class InOrder(trl.DPOTrainer):
-        def _prepare_dataset(self, dataset, *args, **kwargs):  # already ids: tokenized by ddptrain above
-            return dataset
-
-        def _get_train_sampler(self, *args, **kwargs):
-            return SequentialSampler(self.train_dataset)
-
-        def compute_loss(self, *args, **kwargs):
-            loss = super().compute_loss(*args, **kwargs)
-            theirs.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
-            return loss
-
-    args = trl.DPOConfig(
-        output_dir=str(tmp_path / "trl"),
-        per_device_train_batch_size=per_step,
-        max_steps=steps,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=0.1,
-        loss_type=loss_type,
-        max_length=None,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        bf16=False,  # TRL's default: fp32 here, as ddptrain on a CPU
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        remove_unused_columns=False,
-        dataloader_drop_last=True,
-    )
-    InOrder(model=model, args=args, train_dataset=dataset, processing_class=tokenizer).train()
+    theirs = trl_steps(cfg, steps, per_step, tmp_path)["losses"]  # the same pairs and LoRA start, in TRL
     assert len(theirs) == len(ours) == steps
     for step, (a, b) in enumerate(zip(ours, theirs), start=1):
         assert abs(a - b) <= 1e-4, f"step {step}: ddptrain {a:.6f}, TRL {b:.6f}"

@@ -195,3 +195,16 @@ def test_the_dpo_reference_benchmark_times_both_references_and_the_table(capsys)
     table = {row[0]: row for row in table_rows(capsys.readouterr().out)}
     assert set(table) == {"adapter_off", "precomputed"}
     assert table["adapter_off"][3] == "–" and float(table["precomputed"][3]) > 0, table
+
+
+def test_the_dpo_parity_benchmark_sets_both_losses_of_each_step_side_by_side(capsys) -> None:
+    """2 steps of 4 pairs of the tiny model in ddptrain and in TRL (a development dependency): a row per step, the
+    same first loss (both start from the same LoRA model: ln 2), and each side's seconds per step."""
+    pytest.importorskip("trl")
+    from ddptrain.bench import dpo_parity
+
+    dpo_parity.main(["--model", "tiny", "--steps", "2", "--pairs", "4", "parallel.start_method=forkserver"])
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert [row[0] for row in rows] == ["1", "2"] and rows[0][1] == rows[0][2] == "0.693147", rows
+    assert re.search(r"s/step after the first: ddptrain \d+\.\d+, TRL \d+\.\d+", out), out
