@@ -119,10 +119,11 @@ def _check_base_adapter(m: ModelConfig, p: ParallelConfig) -> list[str]:
         ]
     problems = []
     trained_on = json.loads(config_file.read_text()).get("base_model_name_or_path")
-    if m.init != ModelInit.pretrained or not _same_model(trained_on, m.name_or_path):
+    if m.init != ModelInit.pretrained or (trained_on is not None and not _same_model(trained_on, m.name_or_path)):
+        base = trained_on or "<the base it was trained on>"
         problems.append(
-            f"model.base_adapter={m.base_adapter} was trained on {trained_on}, but this run starts from "
-            f"model.name_or_path={m.name_or_path} (model.init={m.init.value}): set model.name_or_path={trained_on} "
+            f"model.base_adapter={m.base_adapter} was trained on {base}, but this run starts from "
+            f"model.name_or_path={m.name_or_path} (model.init={m.init.value}): set model.name_or_path={base} "
             "model.init=pretrained."
         )
     if p.strategy == Strategy.fsdp2:
@@ -130,10 +131,8 @@ def _check_base_adapter(m: ModelConfig, p: ParallelConfig) -> list[str]:
     return problems
 
 
-def _same_model(a: str | None, b: str) -> bool:
+def _same_model(a: str, b: str) -> bool:
     """Two names of one model: the same Hub id, or the same folder."""
-    if a is None:
-        return False
     return a == b or (Path(a).is_dir() and Path(b).is_dir() and Path(a).resolve() == Path(b).resolve())
 
 

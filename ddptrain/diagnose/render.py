@@ -122,6 +122,19 @@ def _numbers(s: dict) -> list[str]:
         f"- loss: {_f(s['loss_first'], '.4f')} → {_f(s['loss_last'], '.4f')}"
         + (f"; eval loss {s['eval_loss_last']:.4f}" if s.get("eval_loss_last") is not None else "")
         + _best_text(s),
+        *_rewards_text(s),
+    ]
+
+
+def _rewards_text(s: dict) -> list[str]:
+    """objective=dpo: the pairs won and the reward margin, first log window to last, and the held-out pairs won."""
+    if "rewards_accuracy" not in s:
+        return []
+    (won_first, won_last), (margin_first, margin_last) = s["rewards_accuracy"], s["rewards_margin"]
+    held_out = s.get("eval_rewards_accuracy_last")
+    return [
+        f"- rewards (objective=dpo): pairs won {won_first:.1%} → {won_last:.1%}, margin {margin_first:.3f} → "
+        f"{margin_last:.3f}" + (f"; held-out pairs won {held_out:.1%}" if held_out is not None else "")
     ]
 
 

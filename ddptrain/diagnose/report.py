@@ -57,7 +57,7 @@ def build_report(run_dir: Path) -> dict:
             f"{run_dir}/metrics.jsonl has no training record: the run stopped before its first log line "
             f"(trainer.log_every_n_steps={every}). Nothing to diagnose.{log_tail(run_dir)}"
         )
-    summary = summarize(records, evals, settings)
+    summary = summarize(records, evals, settings) | preference_summary(records, evals)
     summary["outside"] = outside_the_steps(run_dir, evals)
     by_rank = per_rank(records)
     timed = steady_windows(timed_windows(records))
@@ -142,3 +142,17 @@ def _notes(s: dict, th: DiagnoseConfig) -> list[str]:
             "CPU run: memory is each process's peak resident memory, and there is no MFU without trainer.peak_tflops."
         )
     return notes
+
+
+def preference_summary(records: list[dict], evals: list[dict]) -> dict[str, Any]:
+    """objective=dpo: the share of pairs won and the reward margin at the first and the last log window, and the last
+    evaluation's share of held-out pairs won (``rewards_*``: nothing for a run that logs none)."""
+    windows = [r for r in records if r.get("rewards_accuracy") is not None]
+    if not windows:
+        return {}
+    scored = [e["eval_rewards_accuracy"] for e in evals if e.get("eval_rewards_accuracy") is not None]
+    return {
+        "rewards_accuracy": (windows[0]["rewards_accuracy"], windows[-1]["rewards_accuracy"]),
+        "rewards_margin": (windows[0]["rewards_margin"], windows[-1]["rewards_margin"]),
+        "eval_rewards_accuracy_last": scored[-1] if scored else None,
+    }

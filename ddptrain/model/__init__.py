@@ -63,14 +63,19 @@ def build_base_model(cfg: ModelConfig, seed: int, device: torch.device | None = 
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=cfg.attn_implementation.value)
     else:
+        # model.base_adapter merges on the host, as <run>/base is written (save_random_base): the same numbers.
+        on_host = device is None or cfg.base_adapter is not None
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path,
             dtype=dtype,
             attn_implementation=cfg.attn_implementation.value,
-            device_map=None if device is None else {"": str(device)},
+            device_map=None if on_host else {"": str(device)},
         )
         model.config.use_cache = False
-    return merge_base_adapter(model, cfg.base_adapter) if cfg.base_adapter else model
+    if cfg.base_adapter is None:
+        return model
+    merged = merge_base_adapter(model, cfg.base_adapter)
+    return merged if device is None else merged.to(device)
 
 
 def merge_base_adapter(model: nn.Module, folder: str) -> nn.Module:

@@ -8,9 +8,11 @@ whatever the number of ranks. One all-reduce of the [pairs, 2] table (each pair'
 one: the sum is exact) gives every rank all of it, and the step then reads each pair's values from its batch.
 
 The table is cached beside the tokenized data, under a key of the tokenized rows and of everything that fixes the
-base model's numbers (its weights' source, dtype, attention kernel, head chunking, the autocast precision, the seed of
-a random start), not of the LoRA settings, β or the loss type: a sweep over those computes it once. A run that
-finds the file on every rank reads it; where any rank misses it (a cache on local disks), every rank computes.
+base model's numbers (its weight files and configs, the architecture as built, a Hub snapshot, dtype, attention
+kernel, head chunking, the autocast precision, the seed of a random start, model.base_adapter's files, the device
+and its TF32 setting, sharding, the torch and transformers versions), not of the LoRA settings, β or the loss type:
+a sweep over those computes it once. A run that finds the file on every rank reads it; where any rank misses it (a
+cache on local disks) or cannot read it, every rank computes.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def precompute_reference(
     if objective.name != Objective.dpo or objective.reference != Reference.precomputed:
         return
     hangs.board.enter("reference")  # a hang report names the precomputation
-    model_key = _model_key(model_cfg, seed, precision)
+    model_key = _model_key(model_cfg, seed, precision) | _numerics_key(loss_module, env)
     tables = []
     for name, rows in (("train", data.train), ("eval", data.eval)):
         if rows is None or len(rows) == 0:
@@ -132,13 +134,34 @@ def _model_key(cfg: ModelConfig, seed: int, precision: DType) -> dict[str, objec
 
 
 def _weight_files(name_or_path: str) -> list[tuple[str, int, int]]:
-    """A local folder's weight files (name, size, modification time); nothing for a Hub id."""
+    """A local folder's weight files and configs (name, size, modification time); nothing for a Hub id."""
     folder = Path(name_or_path)
     if not folder.is_dir():
         return []
     return sorted(
-        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.suffix in WEIGHT_SUFFIXES
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns)
+        for f in folder.iterdir()
+        if f.suffix in WEIGHT_SUFFIXES or f.name in ("config.json", "adapter_config.json")
     )
+
+
+def _numerics_key(loss_module: nn.Module, env: DistEnv) -> dict[str, object]:
+    """What else fixes the numbers, read off the built model and this process: the architecture as built (a
+    config.json edited in place), the Hub snapshot it came from, the device and its fp32 matmuls, sharding (FSDP2
+    computes in its gather dtype, which the keyed precision and dtype fix), and the libraries' versions."""
+    import transformers
+
+    config = loss_module.decoder.config
+    architecture = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+    cuda = env.device.type == "cuda"
+    return {
+        "architecture": architecture,
+        "snapshot": getattr(config, "_commit_hash", None),
+        "device": env.device.type,
+        "tf32": cuda and torch.backends.cuda.matmul.allow_tf32,
+        "sharded": parallel.is_sharded(loss_module),
+        "versions": [torch.__version__, transformers.__version__],
+    }
 
 
 def _cached(
@@ -151,8 +174,9 @@ def _cached(
     if cache is not None and cache.is_file():
         try:
             loaded = torch.load(cache, map_location="cpu", weights_only=True)
-            table = loaded if loaded.shape == (len(rows), 2) else None
-        except (OSError, RuntimeError, EOFError):  # a torn or foreign file: compute again
+            table = loaded if torch.is_tensor(loaded) and loaded.shape == (len(rows), 2) else None
+        except Exception as err:  # a torn or foreign file: computed again (a rank that raised would hang the others)
+            log.warning("reference: %s cannot be read (%s): computing the table again", cache, err)
             table = None
     missing = parallel.all_reduce_sum(torch.tensor([float(table is None)], device=env.device))
     return (table if missing.item() == 0 else None), cache
@@ -171,8 +195,13 @@ def _write(table: torch.Tensor, cache: Path | None, env: DistEnv) -> str:
     """Rank 0 writes the table (atomically: a reader never sees half of it); how the log line says it came."""
     if cache is None:
         return "computed (the data is not cached on disk: neither is the table)"
-    if env.is_rank_zero:
-        partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
+    if not env.is_rank_zero:
+        return f"computed and cached at {cache}"
+    partial = cache.with_name(f"{cache.name}.{os.getpid()}.partial")
+    try:
         torch.save(table, partial)
         os.replace(partial, cache)
+    except OSError as err:  # a full or read-only cache: the run has its table, the next one computes it again
+        log.warning("reference: the table could not be cached at %s (%s)", cache, err)
+        return "computed (not cached: the cache folder could not be written)"
     return f"computed and cached at {cache}"

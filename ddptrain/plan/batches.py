@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ddptrain.config import Batching, DataConfig, Template
+from ddptrain.config import Batching, DataConfig
 from ddptrain.data.encode import IGNORE_INDEX
 from ddptrain.data.plan import BatchingSpec, MicroBatch, eval_batch_plan, plan_epoch
 from ddptrain.data.tokenized import TokenizedData
@@ -82,12 +82,13 @@ def eval_candidate(data: TokenizedData, micro_batch_size: int, world_size: int, 
     return _candidate(rank, "eval", batch, data.eval, lengths, padded_spec)
 
 
-def worst_case_shape(d: DataConfig) -> Callable[[int], BatchShape]:
+def worst_case_shape(d: DataConfig, pairs: bool = False) -> Callable[[int], BatchShape]:
     """The costliest micro-batch any data could give at ``n`` (``data.micro_batch_size``, or
     ``data.max_tokens_per_batch`` for token_budget and packed): every row at data.max_length, every position
-    trained (a packed row of ``n`` tokens). Preference pairs: both sequences of every pair at data.max_length."""
+    trained (a packed row of ``n`` tokens). ``pairs`` (preference pairs, their rows ``PAIRED_LABELS``): both
+    sequences of every pair at data.max_length."""
     packed = d.batching == Batching.packed
-    per_row = 2 if d.template == Template.preference else 1  # a pair is two sequences
+    per_row = 2 if pairs else 1  # a pair is two sequences
 
     def shape(n: int) -> BatchShape:
         rows, width = (1, n) if packed else (n, d.max_length)

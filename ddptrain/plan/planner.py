@@ -15,6 +15,7 @@ from ddptrain.data.plan import BatchingSpec, plan_epoch
 from ddptrain.data.tokenized import TokenizedData
 from ddptrain.model import architecture_config
 from ddptrain.plan.batches import (
+    PAIRED_LABELS,
     Candidate,
     CostliestRows,
     eval_candidate,
@@ -104,7 +105,8 @@ def largest_settings(
     d = cfg.data
     by_rows = d.batching in (Batching.random, Batching.length_grouped)
     key, unit = ("data.micro_batch_size", 1) if by_rows else ("data.max_tokens_per_batch", d.max_length)
-    worst = largest_fitting(plan, model, worst_case_shape(d), unit)
+    pairs = PAIRED_LABELS in data.train.column_names  # objective=dpo, a mixture's sources included
+    worst = largest_fitting(plan, model, worst_case_shape(d, pairs), unit)
     costliest = CostliestRows(data, spec)
     whole = -(-costliest.whole // unit) * unit
     on_data = largest_fitting(plan, model, costliest, unit, most=whole)

@@ -212,11 +212,16 @@ def write_sweep_report(sweep_dir: Path, plots: bool = True, x_axis: str = "auto"
     step differ).
 
     Raises:
-        FileNotFoundError: ``sweep_dir`` is not a folder.
+        FileNotFoundError: ``sweep_dir`` is not a folder, or is a training run's (its report.md stays).
     """
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"{sweep_dir} is not a folder: pass a sweep folder (outputs/multirun/<date>_<time>).")
+    if (sweep_dir / "metrics.jsonl").is_file():  # its report.md is the run report: not to be written over
+        raise FileNotFoundError(
+            f"{sweep_dir} is a training run, not a sweep: its report is `ddptrain diagnose {sweep_dir}` (report.md "
+            "there). ddptrain report reads a sweep folder (outputs/multirun/<date>_<time>)."
+        )
     rows = sweep_rows(sweep_dir)
     written = _plot(sweep_dir, rows, x_axis) if plots and rows else []
     _write_atomically(sweep_dir / CSV_FILE, _csv(rows))

@@ -319,3 +319,37 @@ def test_a_mixture_of_preference_sources_reads_each_with_its_own_fields(tmp_path
     sft_source = "data.sources=[{path: a.jsonl}, {path: b.jsonl, template: alpaca}]"
     with pytest.raises(ConfigError, match=r"data\.sources 1 are not"):
         compose_config(["objective=dpo", "data=mixture", "data.template=preference", sft_source])
+
+
+def test_the_reference_table_is_keyed_by_what_fixes_the_base_models_numbers_not_by_the_adapter(tmp_path) -> None:
+    """objective.reference=precomputed's cache file: the same for another LoRA rank, alpha or checkpointing (the
+    reference has its adapter switched off), another for another dtype, attention kernel, head chunking, autocast
+    precision, random start, model.base_adapter, or that adapter's files edited in place."""
+    from dataclasses import replace
+
+    from ddptrain.config import Attention, DType
+    from ddptrain.data import build_datasets
+    from ddptrain.model.reference import _cache_path, _model_key
+
+    cfg = compose_config(["objective=dpo", "data=tiny_preference", f"data.cache_dir={tmp_path / 'cache'}"])
+    rows = build_datasets(cfg.data, tiny_tokenizer(), cfg.trainer.seed).train
+    base = cfg.model
+
+    def path(model=base, seed: int = 0, precision: DType = DType.fp32) -> Path:
+        return _cache_path(rows, _model_key(model, seed, precision))
+
+    unchanged = path()
+    assert unchanged.parent == Path(rows.cache_files[0]["filename"]).parent, "beside the tokenized rows"
+    for changes in ({"lora_rank": 8}, {"lora_alpha": 64}, {"gradient_checkpointing": True}):
+        assert path(replace(base, **changes)) == unchanged, changes
+    others = [path(seed=1), path(precision=DType.bf16)]
+    for changes in ({"dtype": DType.bf16}, {"attn_implementation": Attention.eager}, {"loss_chunk_tokens": 0}):
+        others.append(path(replace(base, **changes)))
+    adapter = tmp_path / "sft" / "best"
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"1234")
+    others.append(path(replace(base, base_adapter=str(adapter))))
+    (adapter / "adapter_model.safetensors").write_bytes(b"12345")  # retrained in place
+    others.append(path(replace(base, base_adapter=str(adapter))))
+    assert len({unchanged, *others}) == len(others) + 1, "each change has a table of its own"

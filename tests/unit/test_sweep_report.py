@@ -145,3 +145,13 @@ def test_the_report_compares_eval_curves_over_tokens_names_each_best_and_labels_
     assert [t.get_text() for t in bars.get_xticklabels()] == ["optim.grad_accum_steps=1", "optim.grad_accum_steps=4"]
     write_sweep_report(tmp_path, x_axis="steps")
     assert drawn["loss_curves.png"].axes[1].lines[0].get_xdata()[-1] == 6
+
+
+def test_a_training_run_folder_is_refused_and_its_run_report_kept(tmp_path, capsys) -> None:
+    """``ddptrain report`` pointed at one run's folder (``ddptrain diagnose`` writes that run's report.md): it exits 2
+    naming the verb that reports a run, and writes nothing over the run's report."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    (tmp_path / "report.md").write_text("# Run report\n")
+    assert main([str(tmp_path)]) == 2
+    assert f"is a training run, not a sweep: its report is `ddptrain diagnose {tmp_path}`" in capsys.readouterr().err
+    assert (tmp_path / "report.md").read_text() == "# Run report\n" and not (tmp_path / "report.csv").exists()
