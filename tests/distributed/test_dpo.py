@@ -80,7 +80,8 @@ def test_a_precomputed_reference_gives_the_adapter_off_losses_and_is_read_back_f
     assert abs(first["loss"] - math.log(2)) <= 1e-6, first["loss"]
     # The table's batches are not the step's: 0 to the rounding of other matmul shapes, not bit for bit.
     assert all(abs(first[k]) <= 1e-6 for k in ("rewards_chosen", "rewards_rejected", "rewards_margin")), first
-    compared = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "eval_loss", "eval_rewards_accuracy")
+    # Not the shares of pairs won: a pair near a tie may fall either way on another CPU.
+    compared = ("loss", "rewards_chosen", "rewards_rejected", "rewards_margin", "eval_loss")
     ours, theirs = ([r for r in read_metrics(x) if {"loss", "eval_loss"} & set(r)] for x in (run, adapter_off_run))
     pairs = list(zip(ours, theirs))
     assert len(ours) == len(theirs) == 14 and all(a["step"] == b["step"] for a, b in pairs)
