@@ -131,7 +131,8 @@ def trl_steps(cfg: RunConfig, steps: int, pairs: int, out: Path) -> dict[str, li
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *args, **kwargs):
-            ended.append(time.perf_counter()) if not ended else None
+            if not ended:  # the first step's start: its time is the first entry
+                ended.append(time.perf_counter())
 
         def on_step_end(self, *args, **kwargs):
             ended.append(time.perf_counter())

@@ -14,6 +14,7 @@ from ddptrain import parallel
 from ddptrain.config import RunConfig
 from ddptrain.observe.console import setup_logging
 from ddptrain.trainer import Trainer
+from tests.distributed.workers import whole
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -54,10 +55,10 @@ def train_and_report(cfg: RunConfig, run_dir: str, store_port: int | None) -> No
                 if p.requires_grad
             },
         }
-        whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named.items()}
+        gathered = dict(zip(named, whole(named.values())))  # every rank: FSDP2 gathers each whole
         (Path(run_dir) / f"rank{env.rank}.json").write_text(json.dumps(report))
         if env.is_rank_zero:
-            torch.save({n: t for n, t in whole.items() if named[n].requires_grad}, Path(run_dir) / "params.pt")
+            torch.save({n: t for n, t in gathered.items() if named[n].requires_grad}, Path(run_dir) / "params.pt")
     finally:
         parallel.teardown()
 
